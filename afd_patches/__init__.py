@@ -1,0 +1,27 @@
+"""afd-plugin: Attention-FFN Disaggregation for vLLM, applied from versioned manifests.
+
+``register_afd`` is the ``vllm.general_plugins`` entry point. vLLM calls it in
+every process it starts (front end, engine core, workers), possibly more than
+once; it hands the plugin's manifests to patchkit, which selects the one for the
+running vLLM and applies it. It never raises: a problem is logged here and
+surfaces as a clear error only in a run that asks for AFD.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def manifest_dir() -> Path:
+    """The folder of afd's manifests (inside the wheel, or ``manifests/afd`` in a checkout)."""
+    packaged = _PACKAGE_DIR / "_manifests"
+    return packaged if packaged.is_dir() else _PACKAGE_DIR.parent / "manifests" / "afd"
+
+
+def register_afd() -> None:
+    """vLLM general-plugin hook: apply the manifest for the running vLLM (idempotent)."""
+    import patchkit
+
+    patchkit.activate("afd", manifest_dir())

@@ -1,0 +1,35 @@
+"""Wrappers around ``EngineArgs.create_engine_config`` (the front end builds the config there)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import patchkit
+from afd_patches.config import CONFIG_KEY, parse
+
+
+class AfdUnavailable(RuntimeError):
+    """AFD was asked for, but this process has no active AFD plan."""
+
+
+def require_active_plan() -> None:
+    """Raise AfdUnavailable unless a pinned afd manifest is active in this process."""
+    status = patchkit.status("afd")
+    if status is None:
+        raise AfdUnavailable("the afd plugin did not run in this process (is VLLM_PLUGINS excluding 'afd'?)")
+    if not status.active:
+        raise AfdUnavailable(f"the afd patch plan is not active: {status.problem}")
+    if status.run.manifest.fallback:
+        raise AfdUnavailable(
+            f"vLLM {status.run.runtime.vllm_version} is not supported by afd-plugin; supported: {status.supported}"
+        )
+
+
+def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """Check ``additional_config["afd"]`` before any config is built; store it normalized."""
+    additional = getattr(engine_args, "additional_config", None) or {}
+    if CONFIG_KEY in additional:
+        require_active_plan()
+        engine_args.additional_config = {**additional, CONFIG_KEY: parse(additional[CONFIG_KEY]).to_dict()}
+    return original(engine_args, *args, **kwargs)

@@ -1,0 +1,110 @@
+"""``additional_config["afd"]`` → an immutable, validated ``AfdConfig``.
+
+Present means AFD is on. Keys are checked against ``schemas/afd-config.schema.json``
+(unknown keys rejected, by name); the aliases ``afd_role``, ``afd_connector``,
+``afd_host`` and ``afd_port`` are accepted, but an alias together with its
+canonical key is an error. Topology rules (A ≥ F, A % F == 0, rank within its
+role) are checked here too, so every mistake surfaces in the front end, naming
+the key, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from typing import Any
+
+from patchkit.resources import schema_path
+
+ALIASES = {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
+CONFIG_KEY = "afd"
+
+
+class AfdConfigError(ValueError):
+    """A bad ``additional_config["afd"]``; the message names the key."""
+
+
+@dataclass(frozen=True)
+class AfdConfig:
+    role: str
+    connector: str = "torch_dist"
+    host: str = "127.0.0.1"
+    port: int = 29611
+    num_attention_ranks: int = 1
+    num_ffn_ranks: int = 1
+    rank: int = 0
+    timeout_s: float = 60.0
+    connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@cache
+def _validator() -> Any:
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(json.loads(schema_path("afd-config.schema.json").read_text()))
+
+
+def _fail(key: str, message: str) -> AfdConfigError:
+    return AfdConfigError(f'additional_config["afd"]["{key}"]: {message}')
+
+
+def parse(raw: Any) -> AfdConfig:
+    """Validate and normalize; raise AfdConfigError naming the offending key."""
+    if not isinstance(raw, dict):
+        raise AfdConfigError(f'additional_config["afd"] must be a mapping, not {type(raw).__name__}')
+    allowed = set(_validator().schema["properties"])
+    for key in raw:
+        if key not in allowed:
+            raise _fail(key, f"unknown key (allowed: {', '.join(sorted(k for k in allowed if k not in ALIASES))})")
+    errors = sorted(_validator().iter_errors(raw), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        e = errors[0]
+        key = str(e.absolute_path[0]) if e.absolute_path else "?"
+        raise _fail(key, e.message)
+    values = dict(raw)
+    for alias, canonical in ALIASES.items():
+        if alias in values:
+            if canonical in values:
+                raise _fail(alias, f"given together with its canonical key {canonical!r}; use one")
+            values[canonical] = values.pop(alias)
+    if "role" not in values:
+        raise _fail("role", "is required (attention or ffn)")
+    cfg = AfdConfig(**values)
+    _check_topology(cfg)
+    _check_connector(cfg)
+    return cfg
+
+
+def _check_topology(cfg: AfdConfig) -> None:
+    a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
+    if a < f:
+        raise _fail("num_ffn_ranks", f"{f} FFN ranks for {a} attention ranks; need num_attention_ranks >= num_ffn_ranks")
+    if a % f:
+        raise _fail("num_attention_ranks", f"{a} is not a multiple of num_ffn_ranks={f}")
+    count = a if cfg.role == "attention" else f
+    if cfg.rank >= count:
+        raise _fail("rank", f"{cfg.rank} is out of range for {count} {cfg.role} rank(s)")
+
+
+def _check_connector(cfg: AfdConfig) -> None:
+    from afd_patches.connectors import REGISTRY
+
+    if cfg.connector not in REGISTRY:
+        raise _fail("connector", f"unknown connector {cfg.connector!r} (known: {', '.join(sorted(REGISTRY))})")
+
+
+def from_additional_config(additional_config: dict[str, Any] | None) -> AfdConfig | None:
+    """The AFD config of an engine, or None when AFD is off."""
+    if not additional_config or CONFIG_KEY not in additional_config:
+        return None
+    return parse(additional_config[CONFIG_KEY])
+
+
+def role_of(vllm_config: Any) -> str | None:
+    """Role of the engine being configured (used by the manifest's worker overrides)."""
+    cfg = from_additional_config(getattr(vllm_config, "additional_config", None))
+    return cfg.role if cfg else None

@@ -1,0 +1,73 @@
+"""The connector contract between the attention role and the FFN role.
+
+Per decoder layer and forward step, an attention rank sends the hidden states
+that would enter the layer's MLP/MoE (``send_attn_output``) and receives the
+MLP output back (``recv_ffn_output``). An FFN rank receives from every attention
+rank it serves (``recv_attn_output``), runs the FFN once on all of them, and
+sends each rank its slice back (``send_ffn_output``).
+
+Every message carries ``Meta`` (layer, step, shape, dtype), so a mismatch
+between the roles is detected instead of silently mixing tensors. Every receive
+waits at most ``timeout_s`` and then raises ``ConnectorTimeout`` naming the
+peer; a peer that closed raises ``ConnectorClosed``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from afd_patches.config import AfdConfig
+
+
+class ConnectorError(RuntimeError):
+    """Base of connector failures."""
+
+
+class ConnectorTimeout(ConnectorError):
+    """The peer did not answer within ``timeout_s``."""
+
+
+class ConnectorClosed(ConnectorError):
+    """The peer shut down (normal end of an FFN loop)."""
+
+
+@dataclass(frozen=True)
+class Meta:
+    layer: int
+    step: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class Connector(ABC):
+    """One endpoint. Built from the AFD config; ``init()`` connects, ``close()`` releases."""
+
+    def __init__(self, config: AfdConfig) -> None:
+        self.config = config
+        self.messages_sent = 0
+        self.messages_received = 0
+
+    @abstractmethod
+    def init(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    # attention side
+    @abstractmethod
+    def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int) -> None: ...
+
+    @abstractmethod
+    def recv_ffn_output(self, layer: int, step: int) -> torch.Tensor: ...
+
+    # FFN side: one tensor per served attention rank, in rank order
+    @abstractmethod
+    def recv_attn_output(self) -> tuple[Meta, list[torch.Tensor]]: ...
+
+    @abstractmethod
+    def send_ffn_output(self, outputs: list[torch.Tensor], meta: Meta) -> None: ...

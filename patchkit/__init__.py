@@ -1,0 +1,109 @@
+"""patchkit: versioned YAML manifests → ordered, guarded, reversible patches of vLLM.
+
+Public API (everything a plugin needs; the rest is internal):
+
+- ``activate(plugin, manifest_dir)`` — select, plan and apply the plugin's
+  manifest for the running vLLM. Safe to call many times per process and in
+  every process. Never raises for an unsupported release or a bad manifest
+  (vLLM calls plugin hooks without a try): it logs once and returns a
+  ``Status`` that says why nothing was applied.
+- ``status(plugin)`` — that ``Status`` again, later (e.g. when a run asks for the
+  plugin's feature and must fail if the plan is not active).
+- ``applied(plugin=None)`` — the per-entry records of this process.
+- ``revert(plugin=None)`` — restore everything (for tests).
+
+Importing patchkit is cheap: YAML and JSON Schema are only imported when a
+manifest changed since the cached compiled plan was written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from patchkit.errors import ManifestError, PatchError, PatchkitError, UnsupportedRelease
+
+__all__ = [
+    "ManifestError", "PatchError", "PatchkitError", "Status", "UnsupportedRelease",
+    "activate", "applied", "revert", "status",
+]
+
+logger = logging.getLogger("patchkit")
+_lock = threading.RLock()
+_status: dict[str, Status] = {}
+
+
+@dataclass
+class Status:
+    """Where one plugin's plan stands in this process."""
+
+    plugin: str
+    active: bool
+    problem: str | None
+    supported: str
+    run: Any = None  # patchkit.engine.Run when a manifest was selected
+
+
+def activate(plugin: str, manifest_dir: str | Path) -> Status:
+    """Apply ``plugin``'s manifest for the running vLLM (idempotent, never raises PatchkitError)."""
+    from patchkit import cache, engine, report
+    from patchkit.planning import Runtime
+
+    with _lock:
+        current = _status.get(plugin)
+        if current is not None and (current.active or current.run is None):
+            return current
+        runtime = Runtime.detect()
+        try:
+            compiled = cache.compiled(Path(manifest_dir), runtime)
+        except ManifestError as exc:
+            logger.error("patchkit: %s: invalid manifest, nothing applied:\n%s", plugin, exc)
+            return _remember(Status(plugin, False, f"invalid manifest:\n{exc}", ""))
+        if compiled.manifest is None:
+            logger.warning("patchkit: %s: %s; nothing applied", plugin, compiled.error)
+            return _remember(Status(plugin, False, compiled.error, compiled.supported))
+        run = engine.Run(plugin, compiled, runtime, on_change=lambda r: report.write(r.report()))
+        result = Status(plugin, True, None, compiled.supported, run)
+        _remember(result)
+        try:
+            run.start()
+        except PatchError as exc:
+            result.active, result.problem = False, str(exc)
+        return result
+
+
+def _remember(s: Status) -> Status:
+    _status[s.plugin] = s
+    return s
+
+
+def status(plugin: str) -> Status | None:
+    """The plugin's ``Status`` in this process, or None if it never activated.
+
+    A plan that failed after start (in an import hook) shows ``active=False``.
+    """
+    s = _status.get(plugin)
+    if s is not None and s.run is not None and s.run.status == "failed":
+        s.active, s.problem = False, str(s.run.error)
+    return s
+
+
+def applied(plugin: str | None = None) -> list[dict[str, Any]]:
+    """Per-entry records (id, target, op, outcome, reason, fingerprint verdict, ms, rebound, unreachable)."""
+    out = []
+    for name, s in sorted(_status.items()):
+        if s.run is not None and (plugin is None or plugin == name):
+            out.extend({"plugin": name, **r.to_json()} for r in s.run.records.values())
+    return out
+
+
+def revert(plugin: str | None = None) -> None:
+    """Restore every original this process's plans replaced, and forget the plans."""
+    with _lock:
+        for name in [n for n in _status if plugin is None or n == plugin]:
+            s = _status.pop(name)
+            if s.run is not None:
+                s.run.revert()

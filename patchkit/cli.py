@@ -1,0 +1,160 @@
+"""``patchkit`` command line: validate, plan, fingerprint, report.
+
+Exit codes: 0 success, 1 a check failed (invalid manifest, plan mismatch, ...),
+2 bad usage or unreadable input. Errors print as ``file:line: field: message``;
+no command prints a traceback for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from patchkit.errors import ManifestError, PatchkitError
+
+ENTRY_POINT_GROUP = "patchkit.manifests"
+
+
+def registered_manifest_dirs() -> dict[str, Path]:
+    """Plugin name → manifest folder, from the ``patchkit.manifests`` entry points."""
+    dirs = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dirs[ep.name] = Path(ep.load()())
+    return dirs
+
+
+def _manifest_paths(paths: list[str]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        out.extend(sorted(p.glob("*.yaml")) if p.is_dir() else [p])
+    return out
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from patchkit import manifest
+
+    paths = _manifest_paths(args.paths) if args.paths else [
+        p for d in registered_manifest_dirs().values() for p in sorted(d.glob("*.yaml"))]
+    if not paths:
+        print("patchkit validate: no manifest files given or registered", file=sys.stderr)
+        return 2
+    bad = 0
+    for path in paths:
+        try:
+            m = manifest.load(path)
+        except ManifestError as exc:
+            bad += 1
+            print(exc, file=sys.stderr)
+            continue
+        print(f"{path}: ok ({len(m.entries)} entries, {len(m.models)} models, vllm{m.vllm_version})")
+    return 1 if bad else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from patchkit import cache, fingerprint
+    from patchkit.planning import Runtime, runtime_verdict
+    from patchkit.targets import Slot, TargetMissing, unwrap_descriptor
+
+    dirs = {args.plugin or "manifest": Path(args.manifests)} if args.manifests else registered_manifest_dirs()
+    if args.plugin and not args.manifests:
+        dirs = {k: v for k, v in dirs.items() if k == args.plugin}
+    if not dirs:
+        print("patchkit plan: no plugin manifests registered (use --manifests DIR)", file=sys.stderr)
+        return 2
+    runtime = Runtime.detect()
+    print(f"vLLM {runtime.vllm_version} commit {runtime.vllm_commit or 'unknown'} "
+          f"platform {runtime.platform} python {runtime.python}")
+    status = 0
+    for plugin, directory in dirs.items():
+        compiled = cache.compile_plan(cache.manifest_files(directory), runtime)
+        if compiled.manifest is None:
+            print(f"{plugin}: {compiled.error}")
+            status = 1
+            continue
+        print(f"{plugin}: {compiled.manifest.file} (plan {compiled.digest})")
+        entries = {e.id: e for e in compiled.manifest.entries}
+        for n, entry_id in enumerate(compiled.order, 1):
+            e = entries[entry_id]
+            verdict = compiled.static.get(entry_id) or runtime_verdict(e.when, runtime) or "guards hold"
+            fp = ""
+            if args.fingerprints and e.fingerprint:
+                try:
+                    __import__(e.module)
+                    func, _ = unwrap_descriptor(Slot.resolve(e.target).get_raw())
+                    fp = " fingerprint " + fingerprint.compare(e.fingerprint, fingerprint.of_object(func))
+                except (ImportError, TargetMissing) as exc:
+                    fp = f" target missing ({exc})"
+            print(f"  {n:2}. {e.id:32} {e.op:8} {e.target}\n      {verdict}{fp}")
+        for m in compiled.manifest.models:
+            print(f"   model {m.arch} -> {m.class_ref}: {compiled.static.get('model:' + m.arch) or 'guards hold'}")
+    return status
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from patchkit import report
+
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        print(f"patchkit report: {directory}: not a directory", file=sys.stderr)
+        return 2
+    ok, lines = report.check(directory)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def cmd_fingerprint(args: argparse.Namespace) -> int:
+    from patchkit import fingerprint
+    from patchkit.targets import Slot, TargetMissing, unwrap_descriptor
+
+    status = 0
+    for target in args.targets:
+        try:
+            __import__(target.partition(":")[0])
+            func, _ = unwrap_descriptor(Slot.resolve(target).get_raw())
+        except (ImportError, TargetMissing) as exc:
+            print(f"{target}: missing ({exc})", file=sys.stderr)
+            status = 1
+            continue
+        print(f"{target} {fingerprint.of_object(func) or 'unverifiable (no source)'}")
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="patchkit", description="Versioned YAML manifests for vLLM plugins.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="schema and semantic checks; errors as file:line: field: message")
+    p.add_argument("paths", nargs="*", help="manifest files or folders (default: every registered plugin's)")
+    p.set_defaults(func=cmd_validate)
+    p = sub.add_parser("plan", help="the ordered plan for the installed vLLM, with guard verdicts; patches nothing")
+    p.add_argument("--manifests", help="a manifest folder (default: every registered plugin's)")
+    p.add_argument("--plugin", help="only this registered plugin")
+    p.add_argument("--fingerprints", action="store_true", help="import each target module and compare fingerprints")
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("fingerprint", help="print the fingerprint of live targets (imports their modules)")
+    p.add_argument("targets", nargs="+", metavar="module:qualname")
+    p.set_defaults(func=cmd_fingerprint)
+    p = sub.add_parser("report", help="check that every process in DIR applied the same plan")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ManifestError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except PatchkitError as exc:
+        print(f"patchkit: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"patchkit: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

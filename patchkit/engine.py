@@ -1,0 +1,373 @@
+"""Applying a compiled plan: ordered, guarded, idempotent, transactional, reversible.
+
+One ``Run`` per plugin per process. ``Run.start()`` decides every entry's guards,
+then applies each entry as soon as (a) its target module is imported and (b)
+every entry it comes ``after`` is settled — at once for modules already
+imported, otherwise from a post-import hook, before the importer sees the module.
+
+Guarantees:
+- *Idempotent*: a wrapper carries ``__patchkit__ = (plugin, entry id)``; an
+  entry whose target already holds its own object is reported
+  ``already-applied`` and changes nothing.
+- *Transactional*: a required entry that fails restores every entry this run
+  applied (newest first) and cancels what is still pending; the error names
+  the entry. At start this raises ``PatchError``; later (in an import hook,
+  where raising would break someone else's ``import``) it is logged and kept
+  in ``Run.error`` for the plugin to act on.
+- *Reversible*: ``revert()`` restores the originals, including rebound aliases.
+  An attribute that someone else changed after us is left alone and reported.
+
+Limits: an entry is applied once per process; references taken to the original
+before the swap are not reachable (see ``rebind``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from patchkit import fingerprint, importhook, rebind, vllm_adapter
+from patchkit.cache import Compiled, FingerprintCache
+from patchkit.errors import PatchError
+from patchkit.manifest import Entry, Manifest
+from patchkit.planning import Runtime, runtime_verdict
+from patchkit.targets import Slot, TargetMissing, import_ref, unwrap_descriptor
+
+logger = logging.getLogger("patchkit")
+
+_NOT_SET = object()
+
+
+@dataclass
+class Record:
+    """What happened to one entry in this process (``to_json`` goes into reports)."""
+
+    id: str
+    target: str
+    op: str
+    outcome: str = "pending"
+    reason: str = ""
+    fingerprint: str = ""
+    seconds: float = 0.0
+    rebound: list[str] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)
+    slot: Slot | None = field(default=None, repr=False)
+    original: Any = field(default=_NOT_SET, repr=False)
+    installed: Any = field(default=_NOT_SET, repr=False)
+    undo: Callable[[], None] | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "target": self.target, "op": self.op, "outcome": self.outcome,
+            "reason": self.reason, "fingerprint": self.fingerprint,
+            "ms": round(self.seconds * 1000, 3), "rebound": self.rebound, "unreachable": self.unreachable,
+        }
+
+
+class _EntryFailed(Exception):
+    pass
+
+
+class _Skip(Exception):
+    def __init__(self, outcome: str, reason: str) -> None:
+        self.outcome = outcome
+        self.reason = reason
+
+
+def make_wrapper(factory: Callable[..., Any], original: Callable[..., Any], marker: tuple[str, str]) -> Any:
+    """``patched(*a, **kw) == factory(original, *a, **kw)``, looking like ``original``."""
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        return factory(original, *args, **kwargs)
+
+    functools.update_wrapper(patched, original)
+    patched.__patchkit__ = marker  # type: ignore[attr-defined]
+    return patched
+
+
+class Run:
+    """The application of one compiled plan in this process."""
+
+    def __init__(self, plugin: str, compiled: Compiled, runtime: Runtime,
+                 on_change: Callable[[Run], None] | None = None) -> None:
+        assert compiled.manifest is not None
+        self.plugin = plugin
+        self.compiled = compiled
+        self.manifest: Manifest = compiled.manifest
+        self.runtime = runtime
+        self.entries = {e.id: e for e in self.manifest.entries}
+        self.records = {i: Record(i, self.entries[i].target, self.entries[i].op) for i in compiled.order}
+        for m in self.manifest.models:
+            self.records[f"model:{m.arch}"] = Record(f"model:{m.arch}", m.class_ref, "model")
+        self.status = "new"
+        self.error: PatchError | None = None
+        self._stack: list[Record] = []
+        self._ready: set[str] = set()
+        self._lock = threading.RLock()
+        self._pumping = False
+        self._starting = False
+        self._callbacks: list[importhook.Callback] = []
+        self._fingerprints = FingerprintCache()
+        self._on_change = on_change
+
+    # -- scheduling -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Decide guards, apply what can be applied now, hook the rest. Raises PatchError."""
+        disabled = {s.strip() for s in os.environ.get("PATCHKIT_DISABLE", "").split(",") if s.strip()}
+        with self._lock:
+            self._starting = True
+            self.status = "active"
+            modules: list[str] = []
+            for entry_id, record in self.records.items():
+                entry = self.entries.get(entry_id)
+                when = entry.when if entry else self._model(entry_id).when
+                reason = self.compiled.static.get(entry_id) or runtime_verdict(when, self.runtime)
+                if entry_id in disabled or (entry_id.startswith("model:") and "models" in disabled):
+                    record.outcome, record.reason = "disabled", "PATCHKIT_DISABLE"
+                    logger.warning("patchkit: %s entry %s disabled by PATCHKIT_DISABLE", self.plugin, entry_id)
+                elif reason:
+                    record.outcome, record.reason = "guarded-out", reason
+                elif entry is not None:
+                    modules.append(entry.module)
+            if any(r.outcome == "pending" for k, r in self.records.items() if k.startswith("model:")):
+                self._hook(vllm_adapter.MODEL_REGISTRY_MODULE, self._register_models)
+            for module in dict.fromkeys(modules):
+                self._hook(module, self._on_import)
+            self._starting = False
+            if self.error is not None:
+                raise self.error
+        self._changed()
+
+    def _hook(self, module: str, callback: Callable[[ModuleType], None]) -> None:
+        self._callbacks.append(callback)
+        importhook.when_imported(module, callback)
+
+    def _on_import(self, module: ModuleType) -> None:
+        with self._lock:
+            self._ready.add(module.__name__)
+            if self._pumping or self.status != "active":
+                return
+            self._pumping = True
+            try:
+                self._pump()
+            finally:
+                self._pumping = False
+                self._fingerprints.flush()
+        if not self._starting:
+            self._changed()
+
+    def _pump(self) -> None:
+        progress = True
+        while progress and self.status == "active":
+            progress = False
+            for entry_id in self.compiled.order:
+                record = self.records[entry_id]
+                entry = self.entries[entry_id]
+                if record.outcome != "pending" or entry.module not in self._ready:
+                    continue
+                if any(self.records[d].outcome == "pending" for d in entry.after):
+                    continue
+                self._apply(entry, record)
+                progress = True
+                if self.status != "active":
+                    return
+
+    # -- one entry ----------------------------------------------------------------------------
+    def _apply(self, entry: Entry, record: Record) -> None:
+        started = time.perf_counter()
+        try:
+            self._apply_entry(entry, record)
+        except _Skip as skip:
+            record.outcome, record.reason = skip.outcome, skip.reason
+        except _EntryFailed as failure:
+            if entry.required:
+                record.outcome, record.reason = "failed", str(failure)
+                self._fail(PatchError(entry.id, str(failure)))
+            else:
+                record.outcome, record.reason = "failed-optional", str(failure)
+                logger.warning("patchkit: optional entry %s left out: %s", entry.id, failure)
+        finally:
+            record.seconds = time.perf_counter() - started
+
+    def _drift(self, entry: Entry, what: str) -> None:
+        """Apply the entry's ``on_drift`` policy to a drifted or missing target."""
+        if entry.on_drift == "fail":
+            raise _EntryFailed(what)
+        logger.warning("patchkit: %s: %s (on_drift=%s)", entry.id, what, entry.on_drift)
+        if entry.on_drift == "skip":
+            raise _Skip("skipped", what)
+
+    def _apply_entry(self, entry: Entry, record: Record) -> None:
+        marker = (self.plugin, entry.id)
+        try:
+            slot = Slot.resolve(entry.target)
+            original = slot.get_raw() if (entry.op != "set" or slot.exists()) else _NOT_SET
+        except TargetMissing as exc:
+            self._drift(entry, f"target {entry.target} is missing: {exc}")
+            raise _Skip("skipped", f"target missing: {exc}") from None
+        func, descriptor = unwrap_descriptor(original)
+        if getattr(func, "__patchkit__", None) == marker or _LIVE.get(marker) is original:
+            raise _Skip("already-applied", "")
+        self._probe(entry, slot, func)
+        if entry.fingerprint and original is not _NOT_SET:
+            actual = self._fingerprint_of(func)
+            verdict = fingerprint.compare(entry.fingerprint, actual)
+            record.fingerprint = verdict
+            if verdict != "match":
+                self._drift(entry, f"{entry.target} {verdict} (pinned {entry.fingerprint}, found {actual})")
+        new = self._new_object(entry, func)
+        if descriptor is not None:
+            new = descriptor(new)
+        try:
+            slot.set_raw(new)
+        except (AttributeError, TypeError) as exc:
+            raise _EntryFailed(f"cannot set {entry.target}: {exc}") from None
+        record.slot, record.original, record.installed = slot, original, new
+        _LIVE[marker] = new
+        self._stack.append(record)
+        record.outcome = "applied"
+        if not slot.on_class and original is not _NOT_SET and entry.op != "set":
+            scope = rebind.scope(entry.module, entry.rebind, self.manifest.packages)
+            record.rebound = rebind.rebind(slot.name, original, new, scope, slot.owner)
+            auto = rebind.scope(entry.module, "auto", self.manifest.packages)
+            record.unreachable = rebind.unreachable(slot.name, original, auto, slot.owner)
+
+    def _probe(self, entry: Entry, slot: Slot, func: Any) -> None:
+        module = slot.owner if not slot.on_class else inspect.getmodule(slot.owner)
+        for qualname in entry.when.get("has_attr", []):
+            obj: Any = module
+            for part in qualname.split("."):
+                obj = getattr(obj, part, _NOT_SET)
+                if obj is _NOT_SET:
+                    raise _Skip("guarded-out", f"probe has_attr {qualname}: absent")
+        wanted = entry.when.get("has_param", [])
+        if wanted:
+            try:
+                params = inspect.signature(func).parameters
+            except (TypeError, ValueError):
+                params = {}
+            missing = [p for p in wanted if p not in params]
+            if missing:
+                raise _Skip("guarded-out", f"probe has_param: {entry.target} lacks {', '.join(missing)}")
+
+    def _fingerprint_of(self, func: Any) -> str | None:
+        key = FingerprintCache.key_of(func)
+        cached = self._fingerprints.get(key) if key else None
+        if cached:
+            return cached
+        value = fingerprint.of_object(func)
+        if key and value:
+            self._fingerprints.put(key, value)
+        return value
+
+    def _new_object(self, entry: Entry, func: Any) -> Any:
+        marker = (self.plugin, entry.id)
+        if entry.op == "set" and entry.has_value:
+            return entry.value
+        if entry.op == "workers":
+            try:
+                factory = vllm_adapter.worker_wrapper(entry.workers or {}, self.runtime)
+            except Exception as exc:  # noqa: BLE001 - reported as this entry's failure
+                raise _EntryFailed(f"cannot build worker override: {exc!r}") from None
+            return make_wrapper(factory, func, marker)
+        try:
+            obj = import_ref(entry.with_ or "")
+        except Exception as exc:  # noqa: BLE001 - any import failure is this entry's failure
+            raise _EntryFailed(f"cannot import {entry.with_}: {exc!r}") from None
+        if entry.op == "wrap":
+            if not callable(obj) or not callable(func):
+                raise _EntryFailed(f"wrap needs callables ({entry.with_}, {entry.target})")
+            return make_wrapper(obj, func, marker)
+        return obj
+
+    # -- models ----------------------------------------------------------------------------
+    def _model(self, record_id: str) -> Any:
+        arch = record_id.partition(":")[2]
+        return next(m for m in self.manifest.models if m.arch == arch)
+
+    def _register_models(self, module: ModuleType) -> None:
+        with self._lock:
+            if self.status != "active":
+                return
+            for m in self.manifest.models:
+                record = self.records[f"model:{m.arch}"]
+                if record.outcome != "pending":
+                    continue
+                started = time.perf_counter()
+                try:
+                    record.undo = vllm_adapter.register_model(module, m.arch, m.class_ref)
+                    record.outcome = "applied"
+                    self._stack.append(record)
+                except Exception as exc:  # noqa: BLE001 - named in the error
+                    record.outcome, record.reason = "failed", repr(exc)
+                    self._fail(PatchError(record.id, f"model registration failed: {exc!r}"))
+                    break
+                finally:
+                    record.seconds = time.perf_counter() - started
+        if not self._starting:
+            self._changed()
+
+    # -- failure, revert ----------------------------------------------------------------------
+    def _fail(self, error: PatchError) -> None:
+        self._undo_all("rolled-back")
+        self.status = "failed"
+        self.error = error
+        logger.error("patchkit: %s plan rolled back, the process runs unpatched: %s", self.plugin, error)
+
+    def _undo_all(self, outcome: str) -> None:
+        for callback in self._callbacks:
+            importhook.cancel(callback)
+        for record in reversed(self._stack):
+            _undo(record)
+            record.outcome = outcome
+            _LIVE.pop((self.plugin, record.id), None)
+        self._stack.clear()
+        for record in self.records.values():
+            if record.outcome == "pending":
+                record.outcome = "cancelled"
+
+    def revert(self) -> None:
+        with self._lock:
+            self._undo_all("reverted")
+            self.status = "reverted"
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "plugin": self.plugin, "manifest": os.path.basename(self.manifest.file),
+            "digest": self.compiled.digest, "status": self.status,
+            "error": str(self.error) if self.error else None,
+            "vllm": {"version": self.runtime.vllm_version, "commit": self.runtime.vllm_commit},
+            "entries": [r.to_json() for r in self.records.values()],
+        }
+
+
+def _undo(record: Record) -> None:
+    if record.undo is not None:
+        record.undo()
+        return
+    slot = record.slot
+    assert slot is not None
+    current = vars(slot.owner).get(slot.name, _NOT_SET) if slot.on_class else getattr(slot.owner, slot.name, _NOT_SET)
+    if current is not record.installed:
+        logger.warning("patchkit: %s was changed after %s patched it; left as it is", record.target, record.id)
+        return
+    if record.original is _NOT_SET:
+        slot.delete()
+    else:
+        slot.set_raw(record.original)
+        rebind.restore(slot.name, record.installed, record.original, record.rebound)
+
+_LIVE: dict[tuple[str, str], Any] = {}

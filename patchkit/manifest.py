@@ -1,0 +1,335 @@
+"""Manifest files → validated, immutable ``Manifest`` objects.
+
+Reading a manifest is three checks, each naming file, line and field:
+1. safe YAML (``yamlsrc``): only plain data, no duplicate keys;
+2. the JSON Schema ``manifest.schema.json``: shapes, types, no unknown keys;
+3. semantics (``_semantic_problems``): unique ids, known ``after`` ids, no cycles,
+   no two unordered writers of one attribute, the fields each op needs, and every
+   callable inside the packages the manifest declares.
+
+A file that fails any check yields a ``ManifestError`` listing every problem; no
+object is imported while reading, so a bad manifest patches nothing.
+
+This module imports ``yaml`` and ``jsonschema``; the runtime hot path avoids it
+by reading a compiled plan from ``patchkit.cache``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cache
+import pathlib
+from typing import Any
+
+from patchkit import resources
+from patchkit.errors import ManifestError, FieldPath, Problem, field_name
+
+WORKERS_ENTRY_ID = "workers"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One monkey-patch (ops replace / wrap / set) or the worker override (op workers)."""
+
+    id: str
+    target: str
+    op: str
+    line: int
+    with_: str | None = None
+    value: Any = None
+    has_value: bool = False
+    fingerprint: str | None = None
+    after: tuple[str, ...] = ()
+    when: dict[str, Any] = field(default_factory=dict)
+    rebind: str | tuple[str, ...] = "auto"
+    on_drift: str = "fail"
+    required: bool = True
+    why: str = ""
+    upstream: str | None = None
+    retire_when: dict[str, Any] = field(default_factory=dict)
+    workers: dict[str, Any] | None = None  # op == "workers": {"role_of": ref, "overrides": [...]}
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.partition(":")[2]
+
+
+@dataclass(frozen=True)
+class ModelRegistration:
+    arch: str
+    class_ref: str
+    line: int
+    when: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    file: str
+    plugin: str
+    packages: tuple[str, ...]
+    vllm_version: str
+    vllm_commit: str | None
+    fallback: bool
+    entries: tuple[Entry, ...]
+    models: tuple[ModelRegistration, ...]
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        entries = []
+        for e in data["entries"]:
+            e = dict(e)
+            e["after"] = tuple(e["after"])
+            if isinstance(e["rebind"], list):
+                e["rebind"] = tuple(e["rebind"])
+            entries.append(Entry(**e))
+        models = tuple(ModelRegistration(**m) for m in data["models"])
+        return cls(**{**data, "packages": tuple(data["packages"]), "entries": tuple(entries), "models": models})
+
+
+@cache
+def _validator() -> Any:
+    import jsonschema
+
+    schema = json.loads(resources.schema_path("manifest.schema.json").read_text())
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _line(lines: dict[FieldPath, int], path: FieldPath) -> int:
+    while path and path not in lines:
+        path = path[:-1]
+    return lines.get(path, 1)
+
+
+def _schema_problems(doc: Any, lines: dict[FieldPath, int], file: str) -> list[Problem]:
+    problems = []
+    for error in _validator().iter_errors(doc):
+        path: FieldPath = tuple(error.absolute_path)
+        message = error.message
+        if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+            allowed = set(error.schema.get("properties", {}))
+            for key in sorted(set(error.instance) - allowed):
+                problems.append(
+                    Problem(file, _line(lines, (*path, key)), field_name((*path, key)),
+                            f"unknown key {key!r} (allowed: {', '.join(sorted(allowed))})")
+                )
+            continue
+        if error.validator == "required":
+            message = message.replace("is a required property", "is required")
+        elif len(message) > 200:
+            message = message[:200] + "…"
+        problems.append(Problem(file, _line(lines, path), field_name(path), message))
+    return sorted(problems, key=lambda p: (p.line, p.field))
+
+
+def _ref_package(ref: str) -> str:
+    return ref.partition(":")[0].split(".")[0]
+
+
+def _semantic_problems(doc: dict[str, Any], lines: dict[FieldPath, int], file: str) -> list[Problem]:
+    problems: list[Problem] = []
+
+    def add(path: FieldPath, message: str) -> None:
+        problems.append(Problem(file, _line(lines, path), field_name(path), message))
+
+    packages = set(doc["packages"])
+
+    def check_ref(path: FieldPath, ref: str) -> None:
+        if _ref_package(ref) not in packages:
+            add(path, f"{ref!r} is outside the declared packages ({', '.join(sorted(packages))})")
+
+    patches = doc.get("patches", [])
+    ids: dict[str, int] = {}
+    for i, p in enumerate(patches):
+        if p["id"] in ids or p["id"] == WORKERS_ENTRY_ID and "workers" in doc:
+            add(("patches", i, "id"), f"duplicate id {p['id']!r}")
+        ids.setdefault(p["id"], i)
+        op = p["op"]
+        if op in ("replace", "wrap") and "with" not in p:
+            add(("patches", i), f"op {op!r} needs 'with'")
+        if op in ("replace", "wrap") and "value" in p:
+            add(("patches", i, "value"), f"op {op!r} takes no 'value'")
+        if op == "set" and ("with" in p) == ("value" in p):
+            add(("patches", i), "op 'set' needs exactly one of 'value' and 'with'")
+        if "with" in p:
+            check_ref(("patches", i, "with"), p["with"])
+    workers = doc.get("workers")
+    if workers:
+        ids[WORKERS_ENTRY_ID] = len(patches)
+        check_ref(("workers", "role_of"), workers["role_of"])
+        for j, o in enumerate(workers["overrides"]):
+            check_ref(("workers", "overrides", j, "class"), o["class"])
+    for k, m in enumerate(doc.get("models", [])):
+        check_ref(("models", k, "class"), m["class"])
+
+    graph: dict[str, list[str]] = {}
+    for i, p in enumerate(patches):
+        graph[p["id"]] = list(p.get("after", []))
+        for a in p.get("after", []):
+            if a not in ids:
+                add(("patches", i, "after"), f"unknown id {a!r}")
+            elif a == p["id"]:
+                add(("patches", i, "after"), "an entry cannot come after itself")
+    if workers:
+        graph[WORKERS_ENTRY_ID] = list(workers.get("after", []))
+        for a in graph[WORKERS_ENTRY_ID]:
+            if a not in ids:
+                add(("workers", "after"), f"unknown id {a!r}")
+    cycle = _find_cycle(graph)
+    if cycle:
+        first = cycle[0]
+        path = ("workers", "after") if first == WORKERS_ENTRY_ID else ("patches", ids[first], "after")
+        add(path, "order cycle: " + " -> ".join(cycle))
+    elif not problems:
+        _conflict_problems(doc, graph, add)
+    return problems
+
+
+def _find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph.get(node, []):
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in graph:
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _ancestors(graph: dict[str, list[str]], node: str) -> set[str]:
+    seen: set[str] = set()
+    todo = list(graph.get(node, []))
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(graph.get(n, []))
+    return seen
+
+
+def _conflict_problems(doc: dict[str, Any], graph: dict[str, list[str]], add: Any) -> None:
+    """Two entries writing one attribute must be ordered; two 'replace'/'set' never stack."""
+    writers: dict[str, list[tuple[str, str, FieldPath]]] = {}
+    for i, p in enumerate(doc.get("patches", [])):
+        writers.setdefault(p["target"], []).append((p["id"], p["op"], ("patches", i, "target")))
+    if doc.get("workers"):
+        writers.setdefault(doc["workers"]["at"], []).append((WORKERS_ENTRY_ID, "wrap", ("workers", "at")))
+    for target, ws in writers.items():
+        for a in range(len(ws)):
+            for b in range(a + 1, len(ws)):
+                (ida, opa, _), (idb, opb, pathb) = ws[a], ws[b]
+                ordered = ida in _ancestors(graph, idb) or idb in _ancestors(graph, ida)
+                if not ordered:
+                    add(pathb, f"{idb!r} and {ida!r} both write {target} with no order between them"
+                              " (add one to the other's 'after')")
+                elif opa != "wrap" and opb != "wrap":
+                    add(pathb, f"{idb!r} and {ida!r} both {opa}/{opb} {target}: the second would discard the first")
+
+
+def _build(doc: dict[str, Any], lines: dict[FieldPath, int], file: str, digest: str) -> Manifest:
+    defaults = doc.get("defaults", {})
+    entries = []
+    for i, p in enumerate(doc.get("patches", [])):
+        rebind = p.get("rebind", defaults.get("rebind", "auto"))
+        entries.append(Entry(
+            id=p["id"], target=p["target"], op=p["op"], line=_line(lines, ("patches", i)),
+            with_=p.get("with"), value=p.get("value"), has_value="value" in p,
+            fingerprint=p.get("fingerprint"), after=tuple(p.get("after", [])), when=p.get("when", {}),
+            rebind=tuple(rebind) if isinstance(rebind, list) else rebind,
+            on_drift=p.get("on_drift", defaults.get("on_drift", "fail")),
+            required=p.get("required", defaults.get("required", True)),
+            why=p["why"], upstream=p.get("upstream"), retire_when=p.get("retire_when", {}),
+        ))
+    workers = doc.get("workers")
+    if workers:
+        entries.append(Entry(
+            id=WORKERS_ENTRY_ID, target=workers["at"], op="workers", line=_line(lines, ("workers",)),
+            fingerprint=workers.get("fingerprint"), after=tuple(workers.get("after", [])),
+            rebind="none", on_drift=workers.get("on_drift", defaults.get("on_drift", "fail")),
+            why="select role-specific worker classes when worker_cls is 'auto'",
+            workers={"role_of": workers["role_of"], "overrides": workers["overrides"]},
+        ))
+    models = tuple(
+        ModelRegistration(arch=m["arch"], class_ref=m["class"], line=_line(lines, ("models", k)),
+                          when=m.get("when", {}))
+        for k, m in enumerate(doc.get("models", []))
+    )
+    return Manifest(
+        file=file, plugin=doc["plugin"], packages=tuple(doc["packages"]),
+        vllm_version=doc["vllm"]["version"], vllm_commit=doc["vllm"].get("commit"),
+        fallback=doc.get("fallback", False), entries=tuple(entries), models=models, digest=digest,
+    )
+
+
+def parse(text: str | bytes, file: str) -> Manifest:
+    """Validate one manifest's text completely; raise ManifestError listing every problem."""
+    import hashlib
+
+    from patchkit import yamlsrc
+
+    raw = text.encode() if isinstance(text, str) else text
+    doc, lines = yamlsrc.load(raw, file)
+    if not isinstance(doc, dict):
+        raise ManifestError([Problem(file, 1, "", f"a manifest is a mapping, not {type(doc).__name__}")])
+    problems = _schema_problems(doc, lines, file)
+    if not problems:
+        problems = _semantic_problems(doc, lines, file)
+        if not problems:
+            _check_specifiers(doc, lines, file, problems)
+    if problems:
+        raise ManifestError(problems)
+    return _build(doc, lines, file, hashlib.sha256(raw).hexdigest())
+
+
+def _check_specifiers(doc: dict[str, Any], lines: dict[FieldPath, int], file: str,
+                      problems: list[Problem]) -> None:
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    def check(path: FieldPath, spec: str) -> None:
+        try:
+            SpecifierSet(spec)
+        except InvalidSpecifier:
+            problems.append(Problem(file, _line(lines, path), field_name(path),
+                                    f"{spec!r} is not a PEP 440 version specifier"))
+
+    check(("vllm", "version"), doc["vllm"]["version"])
+    for i, p in enumerate(doc.get("patches", [])):
+        for key in ("vllm", "python"):
+            if key in p.get("when", {}):
+                check(("patches", i, "when", key), p["when"][key])
+        if "vllm" in p.get("retire_when", {}):
+            check(("patches", i, "retire_when", "vllm"), p["retire_when"]["vllm"])
+
+
+def load(path: str | pathlib.Path) -> Manifest:
+    """Read and validate one manifest file."""
+    path = pathlib.Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ManifestError([Problem(str(path), 1, "", f"cannot read: {exc.strerror}")]) from None
+    try:
+        return parse(raw, str(path))
+    except RecursionError:
+        raise ManifestError([Problem(str(path), 1, "", "document nested too deeply")]) from None

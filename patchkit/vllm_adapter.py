@@ -1,0 +1,75 @@
+"""The two manifest features that need to know vLLM: model registration and worker overrides.
+
+Neither imports vLLM at module import time. Model registrations run when
+``vllm.model_executor.models.registry`` is imported (importing it eagerly costs
+about 2 s), and pass the ``"module:Class"`` string through, so vLLM imports the
+model class only when a model of that architecture is loaded.
+
+The worker override wraps the function that builds the engine config. It looks
+at ``worker_cls`` *before* the platform resolves ``"auto"`` to its default
+worker, and only then replaces it; an explicit user choice is kept, with a
+warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from patchkit.planning import Runtime, runtime_verdict, static_verdict
+from patchkit.targets import import_ref
+
+logger = logging.getLogger("patchkit")
+
+MODEL_REGISTRY_MODULE = "vllm.model_executor.models.registry"
+
+
+def register_model(registry_module: ModuleType, arch: str, class_ref: str) -> Callable[[], None]:
+    """Register ``arch`` lazily; return a function that restores the previous registration."""
+    registry = registry_module.ModelRegistry
+    previous = registry.models.get(arch)
+    registry.register_model(arch, class_ref)
+
+    def undo() -> None:
+        if previous is None:
+            registry.models.pop(arch, None)
+        else:
+            registry.models[arch] = previous
+
+    return undo
+
+
+def dotted(ref: str) -> str:
+    """``pkg.mod:Cls`` → ``pkg.mod.Cls`` (the form vLLM's ``worker_cls`` takes)."""
+    return ref.replace(":", ".")
+
+
+def worker_wrapper(spec: dict[str, Any], runtime: Runtime) -> Callable[..., Any]:
+    """Wrapper for ``EngineArgs.create_engine_config`` that applies the role → worker table."""
+    role_of = import_ref(spec["role_of"])
+    overrides = spec["overrides"]
+
+    def choose(role: str) -> str:
+        for o in overrides:
+            when = o.get("when", {})
+            if o["role"] == role and not (static_verdict(when, runtime) or runtime_verdict(when, runtime)):
+                return dotted(o["class"])
+        raise ValueError(f"no worker class for role {role!r} on platform {runtime.platform!r}")
+
+    def create_engine_config(original: Callable[..., Any], engine_args: Any, *args: Any, **kwargs: Any) -> Any:
+        was_auto = getattr(engine_args, "worker_cls", "auto") == "auto"
+        config = original(engine_args, *args, **kwargs)
+        role = role_of(config)
+        if role is None:
+            return config
+        chosen = choose(role)
+        if was_auto:
+            config.parallel_config.worker_cls = chosen
+        else:
+            logger.warning("patchkit: worker_cls=%s was set explicitly; not replacing it with %s (role %s)",
+                           config.parallel_config.worker_cls, chosen, role)
+        return config
+
+    return create_engine_config

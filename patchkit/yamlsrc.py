@@ -1,0 +1,91 @@
+"""Safe YAML reading that remembers the line of every value.
+
+Only the YAML core types are built (mappings, sequences, strings, numbers,
+booleans, null); any other tag (``!!python/object`` and friends) is refused
+before anything is constructed. Duplicate keys are errors, not "last one wins".
+Anchors are allowed but the expanded document is bounded in size, so a
+"billion laughs" file fails fast.
+
+``load(text, file)`` returns ``(document, lines)`` where ``lines`` maps a path
+tuple such as ``("patches", 2, "op")`` to its 1-based line number.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from patchkit.errors import ManifestError, FieldPath, Problem, field_name
+
+_MAX_NODES = 100_000
+_CORE_TAGS = {
+    "tag:yaml.org,2002:str",
+    "tag:yaml.org,2002:int",
+    "tag:yaml.org,2002:float",
+    "tag:yaml.org,2002:bool",
+    "tag:yaml.org,2002:null",
+    "tag:yaml.org,2002:map",
+    "tag:yaml.org,2002:seq",
+}
+
+
+class _Builder:
+    def __init__(self, file: str, loader: yaml.SafeLoader) -> None:
+        self.file = file
+        self.loader = loader
+        self.lines: dict[FieldPath, int] = {}
+        self.count = 0
+
+    def fail(self, node: yaml.Node, path: FieldPath, message: str) -> ManifestError:
+        return ManifestError([Problem(self.file, node.start_mark.line + 1, field_name(path), message)])
+
+    def build(self, node: yaml.Node, path: FieldPath) -> Any:
+        self.count += 1
+        if self.count > _MAX_NODES:
+            raise self.fail(node, path, f"document expands to more than {_MAX_NODES} values")
+        self.lines.setdefault(path, node.start_mark.line + 1)
+        if node.tag not in _CORE_TAGS:
+            raise self.fail(node, path, f"YAML tag {node.tag!r} is not allowed (only plain data)")
+        if isinstance(node, yaml.MappingNode):
+            result: dict[str, Any] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                    raise self.fail(key_node, path, "mapping keys must be plain strings")
+                key = key_node.value
+                if key in result:
+                    raise self.fail(key_node, (*path, key), "duplicate key")
+                self.lines[(*path, key)] = key_node.start_mark.line + 1
+                result[key] = self.build(value_node, (*path, key))
+            return result
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(item, (*path, i)) for i, item in enumerate(node.value)]
+        return self.loader.construct_object(node, deep=True)
+
+
+def load(text: str | bytes, file: str) -> tuple[Any, dict[FieldPath, int]]:
+    """Parse one YAML document; raise ManifestError (with file and line) on any problem."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ManifestError([Problem(file, 1, "", f"not UTF-8 text ({exc.reason})")]) from None
+    if "\x00" in text:
+        line = text.count("\n", 0, text.index("\x00")) + 1
+        raise ManifestError([Problem(file, line, "", "binary data (NUL byte) in a YAML file")])
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            raise ManifestError([Problem(file, 1, "", "empty document")])
+        builder = _Builder(file, loader)
+        return builder.build(node, ()), builder.lines
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        message = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+        raise ManifestError([Problem(file, line, "", f"invalid YAML: {message}")]) from None
+    except yaml.YAMLError as exc:
+        raise ManifestError([Problem(file, 1, "", f"invalid YAML: {exc}")]) from None
+    finally:
+        loader.dispose()
