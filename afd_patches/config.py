@@ -82,7 +82,7 @@ def parse(raw: Any) -> AfdConfig:
 def _check_topology(cfg: AfdConfig) -> None:
     a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
     if a < f:
-        raise _fail("num_ffn_ranks", f"{f} FFN ranks for {a} attention ranks; need num_attention_ranks >= num_ffn_ranks")
+        raise _fail("num_ffn_ranks", f"{f} FFN ranks for {a} attention ranks; need A >= F")
     if a % f:
         raise _fail("num_attention_ranks", f"{a} is not a multiple of num_ffn_ranks={f}")
     count = a if cfg.role == "attention" else f

@@ -22,9 +22,12 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from patchkit.errors import ManifestError, PatchError, PatchkitError, UnsupportedRelease
+
+if TYPE_CHECKING:
+    from patchkit.planning import Runtime
 
 __all__ = [
     "ManifestError", "PatchError", "PatchkitError", "Status", "UnsupportedRelease",
@@ -47,16 +50,18 @@ class Status:
     run: Any = None  # patchkit.engine.Run when a manifest was selected
 
 
-def activate(plugin: str, manifest_dir: str | Path) -> Status:
-    """Apply ``plugin``'s manifest for the running vLLM (idempotent, never raises PatchkitError)."""
+def activate(plugin: str, manifest_dir: str | Path, runtime: Runtime | None = None) -> Status:
+    """Apply ``plugin``'s manifest for the running vLLM (idempotent, never raises PatchkitError).
+
+    ``runtime`` defaults to the running vLLM; tests pass their own.
+    """
     from patchkit import cache, engine, report
-    from patchkit.planning import Runtime
 
     with _lock:
         current = _status.get(plugin)
         if current is not None and (current.active or current.run is None):
             return current
-        runtime = Runtime.detect()
+        runtime = runtime or Runtime.detect()
         try:
             compiled = cache.compiled(Path(manifest_dir), runtime)
         except ManifestError as exc:

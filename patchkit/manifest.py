@@ -17,13 +17,13 @@ by reading a compiled plan from ``patchkit.cache``.
 from __future__ import annotations
 
 import json
+import pathlib
 from dataclasses import asdict, dataclass, field
 from functools import cache
-import pathlib
 from typing import Any
 
 from patchkit import resources
-from patchkit.errors import ManifestError, FieldPath, Problem, field_name
+from patchkit.errors import FieldPath, ManifestError, Problem, field_name
 
 WORKERS_ENTRY_ID = "workers"
 
@@ -149,7 +149,7 @@ def _semantic_problems(doc: dict[str, Any], lines: dict[FieldPath, int], file: s
     patches = doc.get("patches", [])
     ids: dict[str, int] = {}
     for i, p in enumerate(patches):
-        if p["id"] in ids or p["id"] == WORKERS_ENTRY_ID and "workers" in doc:
+        if p["id"] in ids or (p["id"] == WORKERS_ENTRY_ID and "workers" in doc):
             add(("patches", i, "id"), f"duplicate id {p['id']!r}")
         ids.setdefault(p["id"], i)
         op = p["op"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from patchkit.errors import ManifestError, FieldPath, Problem, field_name
+from patchkit.errors import FieldPath, ManifestError, Problem, field_name
 
 _MAX_NODES = 100_000
 _CORE_TAGS = {
