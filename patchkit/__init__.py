@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from patchkit.errors import ManifestError, PatchError, PatchkitError, UnsupportedRelease
 
 if TYPE_CHECKING:
-    from patchkit.planning import Runtime
+    from patchkit.planning import Runtime as RuntimeInfo
 
 __all__ = [
     "ManifestError", "PatchError", "PatchkitError", "Status", "UnsupportedRelease",
@@ -50,12 +50,13 @@ class Status:
     run: Any = None  # patchkit.engine.Run when a manifest was selected
 
 
-def activate(plugin: str, manifest_dir: str | Path, runtime: Runtime | None = None) -> Status:
+def activate(plugin: str, manifest_dir: str | Path, runtime: RuntimeInfo | None = None) -> Status:
     """Apply ``plugin``'s manifest for the running vLLM (idempotent, never raises PatchkitError).
 
     ``runtime`` defaults to the running vLLM; tests pass their own.
     """
     from patchkit import cache, engine, report
+    from patchkit.planning import Runtime
 
     with _lock:
         current = _status.get(plugin)

@@ -83,14 +83,61 @@ class _Skip(Exception):
 
 
 def make_wrapper(factory: Callable[..., Any], original: Callable[..., Any], marker: tuple[str, str]) -> Any:
-    """``patched(*a, **kw) == factory(original, *a, **kw)``, looking like ``original``."""
+    """``patched(...) == factory(original, ...)``, looking like ``original``.
 
-    def patched(*args: Any, **kwargs: Any) -> Any:
-        return factory(original, *args, **kwargs)
-
+    The wrapper is generated with ``original``'s own parameter list, so a call
+    costs what a hand-written closure costs (no ``*args``/``**kwargs`` packing);
+    when the signature cannot be read it falls back to ``*args, **kwargs``.
+    """
+    params, forward, namespace = _signature_source(original)
+    namespace.update(factory=factory, original=original)
+    source = f"def patched({params}):\n    return factory(original{forward})\n"
+    exec(compile(source, f"<patchkit wrapper {marker[1]}>", "exec"), namespace)  # noqa: S102 - our own template
+    patched = namespace["patched"]
     functools.update_wrapper(patched, original)
-    patched.__patchkit__ = marker  # type: ignore[attr-defined]
+    patched.__patchkit__ = marker
     return patched
+
+
+def _signature_source(func: Callable[..., Any]) -> tuple[str, str, dict[str, Any]]:
+    """(parameter list, forwarded arguments, namespace holding the defaults) for ``func``."""
+    generic = ("*args, **kwargs", ", *args, **kwargs", {})
+    try:
+        signature = inspect.signature(func, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return generic
+    params: list[str] = []
+    forward: list[str] = []
+    namespace: dict[str, Any] = {}
+    kinds = inspect.Parameter
+    saw_star = False
+    for i, p in enumerate(signature.parameters.values()):
+        if p.name in ("factory", "original") or not p.name.isidentifier():
+            return generic
+        text = p.name
+        if p.default is not kinds.empty:
+            namespace[f"_default{i}"] = p.default
+            text += f"=_default{i}"
+        if p.kind is kinds.VAR_POSITIONAL:
+            params.append("*" + p.name)
+            forward.append("*" + p.name)
+            saw_star = True
+            continue
+        if p.kind is kinds.VAR_KEYWORD:
+            params.append("**" + p.name)
+            forward.append("**" + p.name)
+            continue
+        if p.kind is kinds.KEYWORD_ONLY and not saw_star:
+            params.append("*")
+            saw_star = True
+        params.append(text)
+        forward.append(f"{p.name}={p.name}" if p.kind is kinds.KEYWORD_ONLY else p.name)
+        if p.kind is kinds.POSITIONAL_ONLY and (
+            i + 1 == len(signature.parameters)
+            or list(signature.parameters.values())[i + 1].kind is not kinds.POSITIONAL_ONLY
+        ):
+            params.append("/")
+    return ", ".join(params), "".join(", " + f for f in forward), namespace
 
 
 class Run:

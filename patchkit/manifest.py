@@ -167,12 +167,16 @@ def _semantic_problems(doc: dict[str, Any], lines: dict[FieldPath, int], file: s
         check_ref(("workers", "role_of"), workers["role_of"])
         for j, o in enumerate(workers["overrides"]):
             check_ref(("workers", "overrides", j, "class"), o["class"])
+    archs: set[str] = set()
     for k, m in enumerate(doc.get("models", [])):
         check_ref(("models", k, "class"), m["class"])
+        if m["arch"] in archs:
+            add(("models", k, "arch"), f"duplicate arch {m['arch']!r}")
+        archs.add(m["arch"])
 
     graph: dict[str, list[str]] = {}
     for i, p in enumerate(patches):
-        graph[p["id"]] = list(p.get("after", []))
+        graph[p["id"]] = [a for a in p.get("after", []) if a != p["id"]]
         for a in p.get("after", []):
             if a not in ids:
                 add(("patches", i, "after"), f"unknown id {a!r}")
@@ -229,7 +233,7 @@ def _ancestors(graph: dict[str, list[str]], node: str) -> set[str]:
 
 
 def _conflict_problems(doc: dict[str, Any], graph: dict[str, list[str]], add: Any) -> None:
-    """Two entries writing one attribute must be ordered; two 'replace'/'set' never stack."""
+    """Writers of one attribute must be ordered, and only the first may replace or set it."""
     writers: dict[str, list[tuple[str, str, FieldPath]]] = {}
     for i, p in enumerate(doc.get("patches", [])):
         writers.setdefault(p["target"], []).append((p["id"], p["op"], ("patches", i, "target")))
@@ -238,13 +242,15 @@ def _conflict_problems(doc: dict[str, Any], graph: dict[str, list[str]], add: An
     for target, ws in writers.items():
         for a in range(len(ws)):
             for b in range(a + 1, len(ws)):
-                (ida, opa, _), (idb, opb, pathb) = ws[a], ws[b]
-                ordered = ida in _ancestors(graph, idb) or idb in _ancestors(graph, ida)
-                if not ordered:
+                (ida, opa, patha), (idb, opb, pathb) = ws[a], ws[b]
+                if idb in _ancestors(graph, ida):  # b is applied first
+                    (ida, opa, patha), (idb, opb, pathb) = (idb, opb, pathb), (ida, opa, patha)
+                elif ida not in _ancestors(graph, idb):
                     add(pathb, f"{idb!r} and {ida!r} both write {target} with no order between them"
                               " (add one to the other's 'after')")
-                elif opa != "wrap" and opb != "wrap":
-                    add(pathb, f"{idb!r} and {ida!r} both {opa}/{opb} {target}: the second would discard the first")
+                    continue
+                if opb != "wrap":  # b comes after a and does not delegate to it
+                    add(pathb, f"{idb!r} ({opb}) comes after {ida!r} ({opa}) on {target} and would discard it")
 
 
 def _build(doc: dict[str, Any], lines: dict[FieldPath, int], file: str, digest: str) -> Manifest:
@@ -314,12 +320,17 @@ def _check_specifiers(doc: dict[str, Any], lines: dict[FieldPath, int], file: st
                                     f"{spec!r} is not a PEP 440 version specifier"))
 
     check(("vllm", "version"), doc["vllm"]["version"])
-    for i, p in enumerate(doc.get("patches", [])):
+    guarded: list[tuple[FieldPath, dict[str, Any]]] = [
+        *((("patches", i), p) for i, p in enumerate(doc.get("patches", []))),
+        *((("models", k), m) for k, m in enumerate(doc.get("models", []))),
+        *((("workers", "overrides", j), o) for j, o in enumerate((doc.get("workers") or {}).get("overrides", []))),
+    ]
+    for base, item in guarded:
         for key in ("vllm", "python"):
-            if key in p.get("when", {}):
-                check(("patches", i, "when", key), p["when"][key])
-        if "vllm" in p.get("retire_when", {}):
-            check(("patches", i, "retire_when", "vllm"), p["retire_when"]["vllm"])
+            if key in item.get("when", {}):
+                check((*base, "when", key), item["when"][key])
+        if "vllm" in item.get("retire_when", {}):
+            check((*base, "retire_when", "vllm"), item["retire_when"]["vllm"])
 
 
 def load(path: str | pathlib.Path) -> Manifest:

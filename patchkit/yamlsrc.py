@@ -69,23 +69,31 @@ def load(text: str | bytes, file: str) -> tuple[Any, dict[FieldPath, int]]:
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ManifestError([Problem(file, 1, "", f"not UTF-8 text ({exc.reason})")]) from None
+            line = text.count(b"\n", 0, exc.start) + 1
+            raise ManifestError([Problem(file, line, "", f"not UTF-8 text ({exc.reason})")]) from None
     if "\x00" in text:
         line = text.count("\n", 0, text.index("\x00")) + 1
         raise ManifestError([Problem(file, line, "", "binary data (NUL byte) in a YAML file")])
-    loader = yaml.SafeLoader(text)
+    loader: yaml.SafeLoader | None = None
     try:
+        loader = yaml.SafeLoader(text)
         node = loader.get_single_node()
         if node is None:
             raise ManifestError([Problem(file, 1, "", "empty document")])
         builder = _Builder(file, loader)
         return builder.build(node, ()), builder.lines
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
+        # An unterminated construct is best reported where it starts, not at the end of the file.
+        at_end = "end of stream" in str(exc.problem or "")
+        mark = (exc.context_mark if at_end and exc.context_mark else None) or exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1
         message = " ".join(str(p) for p in (exc.context, exc.problem) if p)
         raise ManifestError([Problem(file, line, "", f"invalid YAML: {message}")]) from None
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, max(exc.position, 0)) + 1
+        raise ManifestError([Problem(file, line, "", f"invalid character {exc.character!r} in YAML")]) from None
     except yaml.YAMLError as exc:
         raise ManifestError([Problem(file, 1, "", f"invalid YAML: {exc}")]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()

@@ -562,3 +562,24 @@ patches:
     (reports / "testplug-1.json").write_text(json.dumps({**data, "pid": 1, "digest": "other"}))
     assert cli.main(["report", str(reports)]) == 1
     assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_generated_wrapper_forwards_every_parameter_kind():
+    from patchkit.engine import make_wrapper
+
+    def original(a, b=2, /, c=3, *rest, d, e=5, **extra):
+        return (a, b, c, rest, d, e, extra)
+
+    calls = []
+
+    def spy(orig, *args, **kwargs):
+        calls.append((args, kwargs))
+        return orig(*args, **kwargs)
+
+    patched = make_wrapper(spy, original, ("t", "t"))
+    assert patched(1, d=4) == original(1, d=4)
+    assert patched(1, 9, 8, 7, 6, d=4, e=0, z=1) == original(1, 9, 8, 7, 6, d=4, e=0, z=1)
+    assert str(__import__("inspect").signature(patched)) == str(__import__("inspect").signature(original))
+    with pytest.raises(TypeError):
+        patched(1)  # d is required, as in the original
+    assert patched.__wrapped__ is original and patched.__name__ == "original"

@@ -1,0 +1,86 @@
+"""Cost of the plugin hook per vLLM process: ``register_afd()`` timed after ``import vllm``.
+
+Each sample is a fresh Python process (as every vLLM process is). Two situations:
+- "after import vllm": exactly what the issue asks (the front-end entry is deferred);
+- "front end": also ``vllm.engine.arg_utils`` imported first, as when vLLM's
+  front end calls the hook, so the entry is applied now and its fingerprint checked.
+Also shown: the first process after a manifest change (cold cache: YAML and
+schema validation), a naive hook that imports yaml + jsonschema and validates the
+manifest in every process, and which modules the hook adds that vLLM had not imported.
+
+    python benchmarks/hook_cost.py [--runs 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = r"""
+import json, sys, time
+import vllm
+{pre}
+before = set(sys.modules)
+t0 = time.perf_counter()
+{hook}
+t1 = time.perf_counter()
+added = sorted(m for m in set(sys.modules) - before if not m.startswith(("patchkit", "afd_patches")))
+print("PROBE " + json.dumps({{"ms": (t1 - t0) * 1000, "added": added}}))
+"""
+
+HOOKS = {
+    "patchkit": "import afd_patches; afd_patches.register_afd()",
+    "naive": (
+        "import yaml, jsonschema, pathlib\n"
+        "schema = json.loads(pathlib.Path({schema!r}).read_text())\n"
+        "doc = yaml.safe_load(pathlib.Path({manifest!r}).read_text())\n"
+        "jsonschema.Draft202012Validator(schema).validate(doc)"
+    ),
+}
+
+
+def sample(hook: str, pre: str, cache_dir: str) -> dict:
+    code = PROBE.format(pre=pre, hook=hook)
+    env = {**os.environ, "PATCHKIT_CACHE_DIR": cache_dir, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env.pop("PATCHKIT_REPORT_DIR", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    for line in out.stdout.splitlines():
+        if line.startswith("PROBE "):
+            return json.loads(line[6:])
+    raise RuntimeError(out.stderr[-2000:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    args = parser.parse_args()
+    naive = HOOKS["naive"].format(schema=str(REPO / "schemas" / "manifest.schema.json"),
+                                  manifest=str(REPO / "manifests" / "afd" / "vllm-0.32.yaml"))
+    situations = {"after import vllm": "", "front end": "import vllm.engine.arg_utils"}
+    with tempfile.TemporaryDirectory() as cache_dir:
+        rows = []
+        for label, pre in situations.items():
+            cold = sample(HOOKS["patchkit"], pre, tempfile.mkdtemp(dir=cache_dir))
+            warm_dir = tempfile.mkdtemp(dir=cache_dir)
+            sample(HOOKS["patchkit"], pre, warm_dir)  # fills the cache
+            warm = [sample(HOOKS["patchkit"], pre, warm_dir) for _ in range(args.runs)]
+            base = [sample(naive, pre, warm_dir) for _ in range(args.runs)]
+            med = statistics.median(s["ms"] for s in warm)
+            med_naive = statistics.median(s["ms"] for s in base)
+            rows.append((label, med, max(s["ms"] for s in warm), cold["ms"], med_naive, warm[0]["added"]))
+    print(f"hook cost per process, median of {args.runs} fresh processes (python {sys.version.split()[0]})")
+    print(f"{'situation':20} {'patchkit ms':>12} {'max ms':>8} {'cold ms':>8} {'naive ms':>9}  modules added")
+    for label, med, mx, cold, med_naive, added in rows:
+        print(f"{label:20} {med:12.2f} {mx:8.2f} {cold:8.1f} {med_naive:9.1f}  {', '.join(added) or 'none'}")
+
+
+if __name__ == "__main__":
+    main()

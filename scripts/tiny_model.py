@@ -1,0 +1,62 @@
+"""Build tiny random-weight float32 checkpoints for real-vLLM tests (nothing is downloaded).
+
+Weights are drawn with a large std (0.2) so greedy tokens are decisive: vLLM's
+'dummy' weights give near-uniform logits, which makes token comparisons fragile.
+
+    python scripts/tiny_model.py OUT_DIR [--arch llama|qwen3|qwen3_moe] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+ARCHES = ("llama", "qwen3", "qwen3_moe")
+COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=32, vocab_size=512, max_position_embeddings=256,
+    initializer_range=0.2, tie_word_embeddings=False, torch_dtype="float32",
+)
+
+
+def build(out: Path, arch: str = "llama", seed: int = 0) -> Path:
+    """Write config.json + model.safetensors for ``arch`` into ``out`` (idempotent); return ``out``."""
+    import torch
+    import transformers
+
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**COMMON)
+        model = transformers.LlamaForCausalLM(config)
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(**COMMON)
+        model = transformers.Qwen3ForCausalLM(config)
+    elif arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        raise ValueError(f"unknown arch {arch!r} (known: {', '.join(ARCHES)})")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--arch", choices=ARCHES, default="llama")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(build(args.out, args.arch, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Real-vLLM fixtures: a tiny checkpoint built here.
+
+These tests need vLLM (the CPU build) importable. They do not skip when it is
+missing: they fail, loudly, because a green run without vLLM would prove nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sys
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from vllm_run import REPO  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Path:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - must fail, not skip
+        pytest.fail(f"real-vLLM tests need vLLM installed (see README): {exc}")
+    from tiny_model import build
+
+    return build(REPO / ".cache" / "models" / "tiny-llama", "llama")

