@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="check that every process in DIR applied the same plan")
     p.add_argument("dir")
     p.set_defaults(func=cmd_report)
+    from patchkit.cli_review import add_commands
+    add_commands(sub)
     return parser
 
 

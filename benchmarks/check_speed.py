@@ -1,0 +1,126 @@
+"""How fast is ``patchkit check`` on a whole vLLM tree, next to parsing every file?
+
+Times, in one process and one run:
+
+1. ``run_check(manifests/afd/vllm-0.32.yaml, "installed")`` — the shipped manifest;
+2. ``run_check`` of a synthetic manifest with 12 plausible targets (methods with
+   overriding subclasses, functions bound by from-import in many modules, a
+   re-export, a dataclass field);
+3. the naive baseline: ``ast.parse`` of every ``.py`` file of the same tree
+   (files read inside the timing too; cyclic GC off, as in ``run_check``, so the
+   difference is the work avoided, not a GC setting).
+
+Each figure is the median of ``--repeat`` runs (default 5) after one untimed
+warm-up run of ``run_check`` (imports, page cache). Wall time is what a user
+waits; CPU time is printed too because a busy machine inflates wall time.
+
+Usage: ``python benchmarks/check_speed.py [--vllm SRC] [--repeat N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from patchkit.check import run_check  # noqa: E402
+from patchkit.static import open_tree  # noqa: E402
+
+SYNTHETIC_TARGETS = [
+    ("vllm.engine.arg_utils:EngineArgs.create_engine_config", "wrap"),
+    ("vllm.plugins:load_general_plugins", "wrap"),
+    ("vllm.v1.worker.gpu_worker:Worker.init_device", "wrap"),
+    ("vllm.platforms.interface:Platform.check_and_update_config", "wrap"),
+    ("vllm.forward_context:set_forward_context", "wrap"),
+    ("vllm.distributed.parallel_state:init_distributed_environment", "wrap"),
+    ("vllm.distributed:init_distributed_environment", "wrap"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", "wrap"),
+    ("vllm.v1.engine.core:EngineCore.__init__", "wrap"),
+    ("vllm.model_executor.models.registry:ModelRegistry", "wrap"),
+    ("vllm.config.vllm:VllmConfig.additional_config", "set"),
+    ("vllm.v1.core.kv_cache_utils:get_kv_cache_configs", "wrap"),
+]
+
+
+def synthetic_manifest(directory: Path) -> Path:
+    """A valid manifest naming ``SYNTHETIC_TARGETS`` (no fingerprints: presence, sites and overrides only)."""
+    lines = ["format: 1", "plugin: bench", "packages: [afd_patches]", "vllm: {version: '==0.32.0'}",
+             "defaults: {on_drift: warn}", "patches:"]
+    for i, (target, op) in enumerate(SYNTHETIC_TARGETS):
+        lines += [f"  - id: bench.{i}", f"    target: '{target}'", f"    op: {op}", "    why: benchmark"]
+        lines.append("    value: 1" if op == "set" else "    with: 'afd_patches.bench:f'")
+    path = directory / "bench.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float, object]:
+    """Median wall and CPU seconds of ``fn`` over ``repeat`` runs, and its last result."""
+    walls, cpus = [], []
+    result: object = None
+    for _ in range(repeat):
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls), statistics.median(cpus), result
+
+
+def naive_parse_all(src: str) -> int:
+    """Read and ``ast.parse`` every ``.py`` file of the tree; return how many parsed."""
+    tree = open_tree(src)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        count = 0
+        for module in tree.modules:
+            try:
+                ast.parse(tree.data(module))
+                count += 1
+            except (SyntaxError, ValueError):
+                pass
+        return count
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm", default="installed", help="tree to check: installed, a folder or a wheel")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    tree = open_tree(args.vllm)
+    print(f"vLLM {tree.version} at {tree.location}: {len(tree.modules)} modules")
+    shipped = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic = synthetic_manifest(Path(tmp))
+        run_check(shipped, args.vllm)  # warm-up: imports, page cache
+        rows = []
+        for label, manifest in (("afd vllm-0.32.yaml", shipped), (f"synthetic ({len(SYNTHETIC_TARGETS)} targets)",
+                                                                    synthetic)):
+            wall, cpu, result = timed(lambda m=manifest: run_check(m, args.vllm, fmt="json"), args.repeat)
+            code, _ = result  # type: ignore[misc]
+            rows.append((label, wall, cpu, code))
+        naive_wall, naive_cpu, parsed = timed(lambda: naive_parse_all(args.vllm), args.repeat)
+
+    print(f"median of {args.repeat} runs (wall / CPU seconds):")
+    for label, wall, cpu, code in rows:
+        print(f"  patchkit check, {label:28} {wall:6.3f} / {cpu:6.3f}  (exit {code})"
+              f"  naive/ours {naive_wall / wall:5.1f}x wall, {naive_cpu / cpu:5.1f}x CPU")
+    print(f"  naive: ast.parse of all {parsed} files      {naive_wall:6.3f} / {naive_cpu:6.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""``patchkit check``: a manifest against a vLLM tree, without importing vLLM.
+
+``run_check(manifest_path, vllm_src, base_src=None, fmt="text")`` returns
+``(exit_code, output)``. Per entry it reports the verdict (``ok``, ``drifted:
+signature``, ``drifted: body``, ``moved``, ``missing``), the pinned and found
+fingerprints, where the definition is, every alias site that binds the target
+and whether ``rebind`` covers it, the subclasses that override a method target,
+whether ``retire_when`` holds for the tree's version, and — given ``base_src``,
+the tree the manifest was written against — a unified diff of each drifted or
+moved target.
+
+Exit codes: 0 nothing would fail; 1 an entry that is required with
+``on_drift: fail`` is drifted, moved or missing (an ``op: set`` entry whose
+owner exists may create a missing attribute and does not fail); 2 bad input —
+missing path, not a vLLM tree, corrupt wheel, invalid manifest, unknown format.
+For exit 2 the output is the error text (for an invalid manifest, the
+``file:line: field: message`` lines); no input produces a traceback.
+
+Output formats: ``text`` for terminals, ``markdown`` for a pull request,
+``json`` (one object; ``entries[*].verdict`` etc.) for tools.
+"""
+
+from __future__ import annotations
+
+import difflib
+import gc
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from patchkit.errors import ManifestError
+from patchkit.manifest import Entry, Manifest
+from patchkit.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
+
+FORMATS = ("text", "markdown", "json")
+_FAILING = ("drifted: signature", "drifted: body", "moved", "missing")
+
+
+@dataclass
+class EntryCheck:
+    """One entry's result: the static report plus the policy view (would it fail?) and extras."""
+
+    entry: Entry
+    report: TargetReport
+    fails: bool
+    retire: dict[str, Any] | None
+    diff: str | None
+    file: str | None
+    line: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        r = self.report
+        return {
+            "id": self.entry.id, "target": self.entry.target, "op": self.entry.op,
+            "required": self.entry.required, "on_drift": self.entry.on_drift,
+            "verdict": r.verdict, "fails": self.fails,
+            "fingerprint": {"pinned": r.pinned, "found": r.found},
+            "definition": None if r.definition is None else {
+                "ref": r.definition.ref, "kind": r.definition.kind, "file": self.file, "line": self.line},
+            "candidates": [c.ref for c in r.candidates],
+            "notes": r.notes,
+            "alias_sites": [s.to_json() for s in r.sites],
+            "uncovered_sites": len(r.uncovered),
+            "overrides": [{"ref": o.definition.ref, "file": o.file, "line": o.definition.first_line,
+                           "calls_super": o.calls_super} for o in r.overrides],
+            "retire": self.retire,
+            "diff": self.diff,
+        }
+
+
+def _version_holds(spec: str, version: str | None) -> bool | None:
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        return None
+    try:
+        return SpecifierSet(spec).contains(Version(version), prereleases=True)
+    except (InvalidSpecifier, InvalidVersion):
+        return None
+
+
+def _diff(entry: Entry, report: TargetReport, tree: SourceTree, base: Resolver | None) -> str | None:
+    if base is None or report.verdict not in _FAILING:
+        return None
+    old = base.resolve_target(entry.target).definition
+    new = report.definition or (report.candidates[0] if report.candidates else None)
+    if old is None and new is None:
+        return None
+    old_text = source_segment(base.tree, old) if old else ""
+    new_text = source_segment(tree, new) if new else ""
+    old_name = f"base/{old.ref}" if old else "base/(absent)"
+    new_name = f"new/{new.ref}" if new else "new/(absent)"
+    lines = difflib.unified_diff(old_text.splitlines(keepends=True), new_text.splitlines(keepends=True),
+                                 old_name, new_name)
+    text = "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+    return text or None
+
+
+def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None = None) -> list[EntryCheck]:
+    """Analyze every entry of ``manifest`` in ``tree`` (and diff drifted ones against ``base``)."""
+    resolver = Resolver(tree)
+    base_resolver = Resolver(base) if base is not None else None
+    results = []
+    for entry in manifest.entries:
+        report = analyze(resolver, entry, manifest.packages)
+        creates = entry.op == "set" and report.verdict == "missing" and report.owner_exists
+        if creates:
+            report.notes.append("op 'set' creates the attribute: not a failure")
+        fails = entry.required and entry.on_drift == "fail" and report.verdict in _FAILING and not creates
+        retire = None
+        if "vllm" in entry.retire_when:
+            spec = entry.retire_when["vllm"]
+            retire = {"vllm": spec, "met": _version_holds(spec, tree.version)}
+        d = report.definition
+        file = tree.path_of(d.module) if d else None
+        results.append(EntryCheck(entry, report, fails, retire, _diff(entry, report, tree, base_resolver),
+                                  file, d.first_line if d else None))
+    return results
+
+
+def _header(manifest: Manifest, tree: SourceTree, base: SourceTree | None) -> dict[str, Any]:
+    return {
+        "manifest": manifest.file,
+        "manifest_vllm": manifest.vllm_version,
+        "vllm": {"source": tree.describe(), "version": tree.version,
+                 "selected_by_manifest": _version_holds(manifest.vllm_version, tree.version)},
+        "base": None if base is None else {"source": base.describe(), "version": base.version},
+    }
+
+
+def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = None,
+              fmt: str = "text") -> tuple[int, str]:
+    """Check a manifest against a tree; ``(exit_code, output)`` as described in the module docstring."""
+    from patchkit import manifest as manifest_mod
+
+    if fmt not in FORMATS:
+        return 2, f"patchkit check: unknown format {fmt!r} (choose from {', '.join(FORMATS)})"
+    started = time.perf_counter()
+    try:
+        loaded = manifest_mod.load(manifest_path)
+    except ManifestError as exc:
+        return 2, str(exc)
+    collecting = gc.isenabled()
+    gc.disable()  # parsing builds large acyclic trees: cyclic GC passes over them cost ~30 % for nothing
+    try:
+        tree = open_tree(vllm_src)
+        base = open_tree(base_src) if base_src is not None else None
+        results = check_entries(loaded, tree, base)
+    except TreeError as exc:
+        return 2, f"patchkit check: {exc}"
+    except RecursionError:
+        return 2, "patchkit check: a source file nests too deeply to analyze"
+    finally:
+        if collecting:
+            gc.enable()
+    code = 1 if any(r.fails for r in results) else 0
+    doc = _header(loaded, tree, base)
+    doc["entries"] = [r.to_json() for r in results]
+    doc["problems"] = tree.problems + (base.problems if base else [])
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.report.verdict] = counts.get(r.report.verdict, 0) + 1
+    doc["summary"] = {"entries": len(results), "verdicts": counts, "failing": [r.entry.id for r in results if r.fails],
+                      "uncovered_sites": sum(len(r.report.uncovered) for r in results),
+                      "modules": len(tree.modules), "parsed": tree.parsed_count,
+                      "seconds": round(time.perf_counter() - started, 3)}
+    doc["exit_code"] = code
+    if fmt == "json":
+        return code, json.dumps(doc, indent=2)
+    return code, (_markdown(doc) if fmt == "markdown" else _text(doc))
+
+
+def _pin_line(doc: dict[str, Any]) -> str:
+    v = doc["vllm"]
+    selected = {True: "selects it", False: "does NOT select it", None: "cannot tell (version unknown)"}
+    return (f"vLLM {v['version'] or 'unknown version'} from {v['source']}; manifest pin vllm{doc['manifest_vllm']} "
+            f"{selected[v['selected_by_manifest']]}")
+
+
+def _retire_text(retire: dict[str, Any] | None) -> str | None:
+    if retire is None:
+        return None
+    met = {True: "MET: delete this entry", False: "not met", None: "unknown (tree version unknown)"}[retire["met"]]
+    return f"retire_when vllm{retire['vllm']}: {met}"
+
+
+def _text(doc: dict[str, Any]) -> str:
+    out = [f"patchkit check {doc['manifest']}", _pin_line(doc)]
+    if doc["base"]:
+        out.append(f"base: vLLM {doc['base']['version'] or 'unknown version'} from {doc['base']['source']}")
+    for e in doc["entries"]:
+        flag = "FAIL" if e["fails"] else ("ok" if e["verdict"] == "ok" else "warn")
+        out.append("")
+        out.append(f"[{flag}] {e['id']}: {e['target']} -> {e['verdict']}")
+        fp = e["fingerprint"]
+        out.append(f"    fingerprint pinned {fp['pinned'] or '-'} found {fp['found'] or '-'}")
+        if e["definition"]:
+            out.append(f"    at {e['definition']['file']}:{e['definition']['line']}")
+        for c in e["candidates"]:
+            out.append(f"    candidate: {c}")
+        out.extend(f"    note: {n}" for n in e["notes"])
+        if e["alias_sites"]:
+            out.append(f"    alias sites: {len(e['alias_sites'])} ({e['uncovered_sites']} not covered)")
+            for s in e["alias_sites"]:
+                mark = "covered  " if s["covered"] else "UNCOVERED"
+                out.append(f"      {mark} {s['file']}:{s['line']} {s['kind']} {s['bound']} from {s['source']}"
+                           f" - {s['note']}")
+        if e["overrides"]:
+            out.append(f"    overridden in {len(e['overrides'])} subclasses (a patch of the base never runs there):")
+            for o in e["overrides"]:
+                sup = "calls super" if o["calls_super"] else "does not call super"
+                out.append(f"      {o['ref']} ({o['file']}:{o['line']}, {sup})")
+        retire = _retire_text(e["retire"])
+        if retire:
+            out.append(f"    {retire}")
+        if e["diff"]:
+            out.append("    diff (base -> new):")
+            out.extend("      " + line for line in e["diff"].rstrip("\n").split("\n"))
+    for p in doc["problems"]:
+        out.append(f"problem: {p}")
+    s = doc["summary"]
+    verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
+    out.append("")
+    out.append(f"{s['entries']} entries: {verdicts}; {s['uncovered_sites']} uncovered alias sites; "
+               f"failing: {', '.join(s['failing']) or 'none'} (exit {doc['exit_code']})")
+    out.append(f"parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s")
+    return "\n".join(out) + "\n"
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _markdown(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    out = [f"## patchkit check: `{doc['manifest']}`", "", _pin_line(doc) + "", ""]
+    if doc["base"]:
+        out += [f"Base: vLLM {doc['base']['version'] or 'unknown version'} from `{doc['base']['source']}`", ""]
+    out += ["| entry | target | verdict | fails | uncovered aliases | overriding subclasses | retire |",
+            "|---|---|---|---|---|---|---|"]
+    for e in doc["entries"]:
+        retire = _retire_text(e["retire"]) or ""
+        out.append(f"| `{e['id']}` | `{e['target']}` | {e['verdict']} | {'**yes**' if e['fails'] else 'no'} | "
+                   f"{e['uncovered_sites']} | {len(e['overrides'])} | {_md(retire)} |")
+    for e in doc["entries"]:
+        out += ["", f"### `{e['id']}` — {e['verdict']}", "",
+                f"- target `{e['target']}` (op {e['op']}, on_drift {e['on_drift']}, "
+                f"{'required' if e['required'] else 'optional'})",
+                f"- fingerprint pinned `{e['fingerprint']['pinned'] or '-'}`, "
+                f"found `{e['fingerprint']['found'] or '-'}`"]
+        if e["definition"]:
+            out.append(f"- defined at `{e['definition']['file']}:{e['definition']['line']}`")
+        out += [f"- candidate `{c}`" for c in e["candidates"]]
+        out += [f"- note: {_md(n)}" for n in e["notes"]]
+        if e["alias_sites"]:
+            out += ["", "| site | kind | binds | from | covered | why |", "|---|---|---|---|---|---|"]
+            out += [f"| `{_md(a['file'])}:{a['line']}` | {a['kind']} | `{a['bound']}` | `{a['source']}` | "
+                    f"{'yes' if a['covered'] else '**no**'} | {_md(a['note'])} |" for a in e["alias_sites"]]
+        if e["overrides"]:
+            out += ["", "Subclasses that override it (a patch of the base class does not reach them):", ""]
+            out += [f"- `{o['ref']}` (`{o['file']}:{o['line']}`, "
+                    f"{'calls super' if o['calls_super'] else 'does not call super'})" for o in e["overrides"]]
+        if e["diff"]:
+            out += ["", "```diff", e["diff"].rstrip("\n"), "```"]
+    if doc["problems"]:
+        out += ["", "Problems:", ""] + [f"- {_md(p)}" for p in doc["problems"]]
+    verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
+    out += ["", f"**{s['entries']} entries**: {verdicts}; {s['uncovered_sites']} uncovered alias sites; failing: "
+            f"{', '.join(f'`{f}`' for f in s['failing']) or 'none'} (exit {doc['exit_code']}). "
+            f"Parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s."]
+    return "\n".join(out) + "\n"
