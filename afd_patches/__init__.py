@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
+CONFIG_KEY = "afd"  # additional_config[CONFIG_KEY] present <=> AFD is on
 
 
 def manifest_dir() -> Path:
@@ -33,5 +34,5 @@ def register_afd() -> None:
         import patchkit
 
         patchkit.activate("afd", manifest_dir())
-    except Exception:  # noqa: BLE001 - see docstring; a run that asks for AFD fails later, clearly
+    except Exception:
         logging.getLogger("afd_patches").exception("afd-plugin: the patch plan could not be applied")

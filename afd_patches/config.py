@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from typing import Any
 
+from afd_patches import CONFIG_KEY
 from patchkit.resources import schema_path
 
 ALIASES = {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
-CONFIG_KEY = "afd"
 
 
 class AfdConfigError(ValueError):

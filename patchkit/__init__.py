@@ -19,8 +19,8 @@ manifest changed since the cached compiled plan was written.
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,15 +39,23 @@ _lock = threading.RLock()
 _status: dict[str, Status] = {}
 
 
-@dataclass
 class Status:
-    """Where one plugin's plan stands in this process."""
+    """Where one plugin's plan stands in this process.
 
-    plugin: str
-    active: bool
-    problem: str | None
-    supported: str
-    run: Any = None  # patchkit.engine.Run when a manifest was selected
+    ``run`` is the ``patchkit.engine.Run`` when a manifest was selected, else None.
+    """
+
+    __slots__ = ("active", "plugin", "problem", "run", "supported")
+
+    def __init__(self, plugin: str, active: bool, problem: str | None, supported: str, run: Any = None) -> None:
+        self.plugin = plugin
+        self.active = active
+        self.problem = problem
+        self.supported = supported
+        self.run = run
+
+    def __repr__(self) -> str:
+        return f"Status({self.plugin!r}, active={self.active}, problem={self.problem!r})"
 
 
 def activate(plugin: str, manifest_dir: str | Path, runtime: RuntimeInfo | None = None) -> Status:
@@ -55,7 +63,7 @@ def activate(plugin: str, manifest_dir: str | Path, runtime: RuntimeInfo | None 
 
     ``runtime`` defaults to the running vLLM; tests pass their own.
     """
-    from patchkit import cache, engine, report
+    from patchkit import cache, engine
     from patchkit.planning import Runtime
 
     with _lock:
@@ -71,7 +79,7 @@ def activate(plugin: str, manifest_dir: str | Path, runtime: RuntimeInfo | None 
         if compiled.manifest is None:
             logger.warning("patchkit: %s: %s; nothing applied", plugin, compiled.error)
             return _remember(Status(plugin, False, compiled.error, compiled.supported))
-        run = engine.Run(plugin, compiled, runtime, on_change=lambda r: report.write(r.report()))
+        run = engine.Run(plugin, compiled, runtime, on_change=_write_report)
         result = Status(plugin, True, None, compiled.supported, run)
         _remember(result)
         try:
@@ -79,6 +87,13 @@ def activate(plugin: str, manifest_dir: str | Path, runtime: RuntimeInfo | None 
         except PatchError as exc:
             result.active, result.problem = False, str(exc)
         return result
+
+
+def _write_report(run: Any) -> None:
+    if os.environ.get("PATCHKIT_REPORT_DIR"):
+        from patchkit import report
+
+        report.write(run.report())
 
 
 def _remember(s: Status) -> Status:

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +32,19 @@ from patchkit.planning import Runtime, order, python_tag, select, static_verdict
 FORMAT = "patchkit-plan-3"
 
 
-@dataclass
 class Compiled:
     """What the hook needs: the selected manifest (or why there is none) and the plan order."""
 
-    manifest: Manifest | None
-    order: list[str]
-    static: dict[str, str | None]
-    supported: str
-    error: str | None
-    digest: str
+    __slots__ = ("digest", "error", "manifest", "order", "static", "supported")
+
+    def __init__(self, manifest: Manifest | None, order: list[str], static: dict[str, str | None],
+                 supported: str, error: str | None, digest: str) -> None:
+        self.manifest = manifest
+        self.order = order
+        self.static = static
+        self.supported = supported
+        self.error = error
+        self.digest = digest
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -146,7 +148,11 @@ class FingerprintCache:
 
     @staticmethod
     def key_of(obj: Any) -> str | None:
-        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+        import inspect
+
+        obj = getattr(obj, "__func__", obj)
+        obj = inspect.unwrap(obj) if callable(obj) else obj
+        code = getattr(obj, "__code__", None)
         if code is None:
             return None
         try:

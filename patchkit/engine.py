@@ -30,11 +30,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from patchkit import fingerprint, importhook, rebind, vllm_adapter
+from patchkit import fingerprint, importhook
 from patchkit.cache import Compiled, FingerprintCache
 from patchkit.errors import PatchError
 from patchkit.manifest import Entry, Manifest
@@ -46,23 +45,26 @@ logger = logging.getLogger("patchkit")
 _NOT_SET = object()
 
 
-@dataclass
 class Record:
     """What happened to one entry in this process (``to_json`` goes into reports)."""
 
-    id: str
-    target: str
-    op: str
-    outcome: str = "pending"
-    reason: str = ""
-    fingerprint: str = ""
-    seconds: float = 0.0
-    rebound: list[str] = field(default_factory=list)
-    unreachable: list[str] = field(default_factory=list)
-    slot: Slot | None = field(default=None, repr=False)
-    original: Any = field(default=_NOT_SET, repr=False)
-    installed: Any = field(default=_NOT_SET, repr=False)
-    undo: Callable[[], None] | None = field(default=None, repr=False)
+    __slots__ = ("fingerprint", "id", "installed", "op", "original", "outcome", "reason", "rebound", "seconds",
+                 "slot", "target", "undo", "unreachable")
+
+    def __init__(self, entry_id: str, target: str, op: str) -> None:
+        self.id = entry_id
+        self.target = target
+        self.op = op
+        self.outcome = "pending"
+        self.reason = ""
+        self.fingerprint = ""
+        self.seconds = 0.0
+        self.rebound: list[str] = []
+        self.unreachable: list[str] = []
+        self.slot: Slot | None = None
+        self.original: Any = _NOT_SET
+        self.installed: Any = _NOT_SET
+        self.undo: Callable[[], None] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -185,6 +187,8 @@ class Run:
                 elif entry is not None:
                     modules.append(entry.module)
             if any(r.outcome == "pending" for k, r in self.records.items() if k.startswith("model:")):
+                from patchkit import vllm_adapter
+
                 self._hook(vllm_adapter.MODEL_REGISTRY_MODULE, self._register_models)
             for module in dict.fromkeys(modules):
                 self._hook(module, self._on_import)
@@ -282,6 +286,8 @@ class Run:
         self._stack.append(record)
         record.outcome = "applied"
         if not slot.on_class and original is not _NOT_SET and entry.op != "set":
+            from patchkit import rebind
+
             scope = rebind.scope(entry.module, entry.rebind, self.manifest.packages)
             record.rebound = rebind.rebind(slot.name, original, new, scope, slot.owner)
             auto = rebind.scope(entry.module, "auto", self.manifest.packages)
@@ -320,6 +326,8 @@ class Run:
         if entry.op == "set" and entry.has_value:
             return entry.value
         if entry.op == "workers":
+            from patchkit import vllm_adapter
+
             try:
                 factory = vllm_adapter.worker_wrapper(entry.workers or {}, self.runtime)
             except Exception as exc:  # noqa: BLE001 - reported as this entry's failure
@@ -341,6 +349,8 @@ class Run:
         return next(m for m in self.manifest.models if m.arch == arch)
 
     def _register_models(self, module: ModuleType) -> None:
+        from patchkit import vllm_adapter
+
         with self._lock:
             if self.status != "active":
                 return
@@ -415,6 +425,8 @@ def _undo(record: Record) -> None:
         slot.delete()
     else:
         slot.set_raw(record.original)
+        from patchkit import rebind
+
         rebind.restore(slot.name, record.installed, record.original, record.rebound)
 
 _LIVE: dict[tuple[str, str], Any] = {}

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 FieldPath = tuple[str | int, ...]
 
@@ -20,8 +20,7 @@ def field_name(path: FieldPath) -> str:
     return out
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     """One finding in one manifest file."""
 
     file: str

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import json
 import pathlib
-from dataclasses import asdict, dataclass, field
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from patchkit import resources
 from patchkit.errors import FieldPath, ManifestError, Problem, field_name
@@ -28,8 +27,7 @@ from patchkit.errors import FieldPath, ManifestError, Problem, field_name
 WORKERS_ENTRY_ID = "workers"
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """One monkey-patch (ops replace / wrap / set) or the worker override (op workers)."""
 
     id: str
@@ -41,13 +39,13 @@ class Entry:
     has_value: bool = False
     fingerprint: str | None = None
     after: tuple[str, ...] = ()
-    when: dict[str, Any] = field(default_factory=dict)
+    when: dict[str, Any] = {}  # noqa: RUF012 - records are never mutated
     rebind: str | tuple[str, ...] = "auto"
     on_drift: str = "fail"
     required: bool = True
     why: str = ""
     upstream: str | None = None
-    retire_when: dict[str, Any] = field(default_factory=dict)
+    retire_when: dict[str, Any] = {}  # noqa: RUF012
     workers: dict[str, Any] | None = None  # op == "workers": {"role_of": ref, "overrides": [...]}
 
     @property
@@ -59,16 +57,14 @@ class Entry:
         return self.target.partition(":")[2]
 
 
-@dataclass(frozen=True)
-class ModelRegistration:
+class ModelRegistration(NamedTuple):
     arch: str
     class_ref: str
     line: int
-    when: dict[str, Any] = field(default_factory=dict)
+    when: dict[str, Any] = {}  # noqa: RUF012
 
 
-@dataclass(frozen=True)
-class Manifest:
+class Manifest(NamedTuple):
     file: str
     plugin: str
     packages: tuple[str, ...]
@@ -80,7 +76,10 @@ class Manifest:
     digest: str
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = self._asdict()
+        data["entries"] = [e._asdict() for e in self.entries]
+        data["models"] = [m._asdict() for m in self.models]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:

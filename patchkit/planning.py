@@ -11,25 +11,33 @@ hand and are decided when the entry is applied.
 from __future__ import annotations
 
 import os
-import platform as _platform
+import platform as _platform_module
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from patchkit.errors import UnsupportedRelease
 from patchkit.manifest import Entry, Manifest
 
 
-@dataclass
 class Runtime:
-    """Facts about the running process that guards and selection look at."""
+    """Facts about the running process that guards and selection look at.
 
-    vllm_version: str | None
-    vllm_commit: str | None
-    python: str = field(default_factory=_platform.python_version)
-    platform_probe: Callable[[], str | None] | None = None
-    _platform: str | None = None
+    The platform is probed lazily: only a plan with a platform guard asks for it.
+    """
+
+    __slots__ = ("_platform", "platform_probe", "python", "vllm_commit", "vllm_version")
+
+    def __init__(self, vllm_version: str | None, vllm_commit: str | None, python: str | None = None,
+                 platform_probe: Callable[[], str | None] | None = None, _platform: str | None = None) -> None:
+        self.vllm_version = vllm_version
+        self.vllm_commit = vllm_commit
+        self.python = python or _platform_module.python_version()
+        self.platform_probe = platform_probe
+        self._platform = _platform
+
+    def __repr__(self) -> str:
+        return f"Runtime(vllm={self.vllm_version}, commit={self.vllm_commit}, python={self.python})"
 
     @property
     def platform(self) -> str | None:

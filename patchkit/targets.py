@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -36,13 +35,15 @@ def import_ref(ref: str) -> Any:
     return obj
 
 
-@dataclass
 class Slot:
     """One attribute ``owner.name`` that a manifest entry targets."""
 
-    owner: Any
-    name: str
-    target: str
+    __slots__ = ("name", "owner", "target")
+
+    def __init__(self, owner: Any, name: str, target: str) -> None:
+        self.owner = owner
+        self.name = name
+        self.target = target
 
     @classmethod
     def resolve(cls, target: str, module: ModuleType | None = None) -> Slot:
