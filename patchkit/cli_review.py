@@ -4,15 +4,34 @@
 
 - ``check MANIFEST --vllm SRC [--base SRC] [--format text|markdown|json]`` —
   see ``patchkit.check``. SRC is ``installed``, a folder or a ``.whl``. Exit 0
-  nothing would fail, 1 a required entry would fail, 2 bad input. Results go to
-  stdout; bad-input messages to stderr.
+  nothing would fail, 1 a required entry would fail, 2 bad input.
+- ``retarget MANIFEST --vllm SRC --out NEW [--version SPEC] [--commit SHA]
+  [--reviewed FILE]`` — see ``patchkit.retarget``. Exit 0 nothing needs a
+  human, 1 entries flagged for review (NEW is written), 2 bad input.
+- ``diff OLD NEW [--format text|markdown|json]``, ``diff FILE --git REV`` and
+  ``diff --git-driver ARGS…`` (git's seven diff-driver arguments; also
+  recognised when exactly seven paths are given) — see ``patchkit.semdiff``.
+  Exit 0 equal, 1 different, 2 bad input; the driver form always exits 0.
+- ``docs [--check] [--out PATH]`` — see ``patchkit.docsgen``. Exit 0 written /
+  current, 1 stale (``--check``), 2 bad input.
+
+Results go to stdout; bad-input messages (exit 2) to stderr. No bad input
+produces a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
+
+
+def _emit(code: int, output: str, error_codes: tuple[int, ...] = (2,)) -> int:
+    stream = sys.stderr if code in error_codes else sys.stdout
+    if output:
+        stream.write(output if output.endswith("\n") else output + "\n")
+    return code
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -20,9 +39,42 @@ def cmd_check(args: argparse.Namespace) -> int:
     from patchkit.check import run_check
 
     code, output = run_check(args.manifest, args.vllm, args.base, args.format)
-    stream = sys.stderr if code == 2 else sys.stdout
-    stream.write(output if output.endswith("\n") else output + "\n")
-    return code
+    return _emit(code, output)
+
+
+def cmd_retarget(args: argparse.Namespace) -> int:
+    """Run ``patchkit retarget``: write the new manifest, print what needs a human."""
+    from patchkit.retarget import run_retarget
+
+    code, output = run_retarget(args.manifest, args.vllm, args.out, args.version, args.commit, args.reviewed)
+    return _emit(code, output)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Run ``patchkit diff`` in its file, ``--git REV`` or git-driver form."""
+    from patchkit.semdiff import run_diff, run_git_driver
+
+    paths: list[str] = args.paths
+    if args.git_driver or (len(paths) == 7 and args.git is None):
+        code, output = run_git_driver(paths)
+        return _emit(code, output)
+    if args.git is not None:
+        if len(paths) != 1:
+            return _emit(2, "patchkit diff: --git REV takes exactly one manifest file")
+        code, output = run_diff(paths[0], None, args.format, args.git)
+    elif len(paths) != 2:
+        return _emit(2, "patchkit diff: give OLD and NEW manifest files (or one file and --git REV)")
+    else:
+        code, output = run_diff(paths[0], paths[1], args.format)
+    return _emit(code, output)
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    """Run ``patchkit docs``: write docs/patches.md, or with ``--check`` say whether it is current."""
+    from patchkit.docsgen import run_docs
+
+    code, output = run_docs(Path(args.out), args.check)
+    return _emit(code, output, (1, 2))
 
 
 def add_commands(subparsers: Any) -> None:
@@ -34,3 +86,29 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--base", metavar="SRC", help="the tree the manifest was written against: diff drifted targets")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     p.set_defaults(func=cmd_check)
+
+    p = subparsers.add_parser(
+        "retarget", help="write a manifest for another vLLM release; flag drifted entries for review")
+    p.add_argument("manifest", help="the manifest to start from")
+    p.add_argument("--vllm", required=True, metavar="SRC", help="the new release: 'installed', a folder or a .whl")
+    p.add_argument("--out", required=True, metavar="NEW", help="where to write the new manifest")
+    p.add_argument("--version", metavar="SPEC", help="vllm.version of the new manifest (default '==<tree version>')")
+    p.add_argument("--commit", metavar="SHA", help="vllm.commit (default: the tree's commit, else null)")
+    p.add_argument("--reviewed", metavar="FILE",
+                   help="an earlier reviewed output for this release: carry its reviews where the code is the same")
+    p.set_defaults(func=cmd_retarget)
+
+    p = subparsers.add_parser(
+        "diff", help="semantic diff of two manifests (pins, entries, order, guards, fingerprints)")
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="OLD NEW; or FILE with --git REV; or git's 7 driver arguments with --git-driver")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    p.add_argument("--git", metavar="REV", help="compare FILE with its version at git revision REV")
+    p.add_argument("--git-driver", action="store_true",
+                   help="act as a git diff driver (git config diff.patchkit.command 'patchkit diff --git-driver')")
+    p.set_defaults(func=cmd_diff)
+
+    p = subparsers.add_parser("docs", help="write docs/patches.md from the registered manifests")
+    p.add_argument("--check", action="store_true", help="exit 1 if the file is stale instead of writing it")
+    p.add_argument("--out", default="docs/patches.md", metavar="PATH", help="the file (default docs/patches.md)")
+    p.set_defaults(func=cmd_docs)

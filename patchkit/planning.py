@@ -60,7 +60,21 @@ class Runtime:
             commit = getattr(version_module, "__commit_id__", None)
         except ImportError:
             commit = None
-        return cls(version, commit or None, platform_probe=_vllm_platform)
+        return cls(version, normalize_commit(commit) if isinstance(commit, str) else None,
+                   platform_probe=_vllm_platform)
+
+
+def normalize_commit(value: str) -> str | None:
+    """``'gced6857af'`` (git-describe style, as CUDA wheels report it) → ``'ced6857af'``;
+    None unless 7–40 hex digits remain."""
+    text = value.strip().lower()
+    if text.startswith("g") and _is_commit(text[1:]):
+        text = text[1:]
+    return text if _is_commit(text) else None
+
+
+def _is_commit(text: str) -> bool:
+    return 7 <= len(text) <= 40 and all(c in "0123456789abcdef" for c in text)
 
 
 def _vllm_platform() -> str | None:

@@ -1,42 +1,56 @@
-"""The main job: a tiny random-weight model on real vLLM, plain and with the afd plugin loaded.
+"""The main job: a tiny random-weight model on real vLLM, plain and as a 1A1F AFD pair.
 
-Prints the greedy tokens of both runs side by side and the per-process patch
-reports (front end, engine core, worker), then checks they all applied one plan.
+Builds the checkpoint, runs plain vLLM, then the FFN engine and the attention
+engine (each with vLLM's own multiprocessing: front end, engine core, worker),
+prints the greedy tokens side by side, and the per-process patch reports with
+the check that every process applied the same plan.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from afd_engine import ARCH, EngineFailed, free_port, run_engines
+from tiny_model import build
 
-from tiny_model import build  # noqa: E402
-from vllm_run import REPO, run_generate  # noqa: E402
+PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 4], [250, 251, 252, 253, 254, 255, 256, 7]]
 
 
 def main() -> int:
-    model = build(REPO / ".cache" / "models" / "tiny-llama", "llama")
-    print(f"tiny model: {model}")
     with tempfile.TemporaryDirectory() as tmp:
-        reports = Path(tmp) / "reports"
-        print("running vLLM without plugins (VLLM_PLUGINS='') ...", flush=True)
-        plain = run_generate(model, VLLM_PLUGINS="")
-        print("running vLLM with the afd plugin (no AFD config: must change nothing) ...", flush=True)
-        plugged = run_generate(model, PATCHKIT_REPORT_DIR=str(reports))
-        for name, gen in (("plain", plain), ("plugin", plugged)):
-            if gen.returncode != 0 or gen.result is None:
-                print(f"{name} run failed:\n{gen.output[-3000:]}")
-                return 1
-        print(f"\n{'prompt':>6}  {'plain vLLM':40}  {'with afd plugin':40}  same")
-        for i, (a, b) in enumerate(zip(plain.result["tokens"], plugged.result["tokens"], strict=True)):
-            print(f"{i:>6}  {a!s:40}  {b!s:40}  {'yes' if a == b else 'NO'}")
-        print("\nper-process patch reports:")
+        work = Path(tmp)
+        model = build(work / "tiny-llama", "llama")
+        print(f"tiny Llama checkpoint (random float32, 2 layers, hidden 64): {model}", flush=True)
+        reports = work / "reports"
+        common = {"model": str(model), "arch": ARCH["llama"], "prompts": PROMPTS, "max_tokens": 8, "logprobs": 1,
+                  "multiprocessing": True}
+        afd = {"connector": "torch_dist", "port": free_port(), "num_attention_ranks": 1, "num_ffn_ranks": 1}
+        try:
+            print("plain vLLM ...", flush=True)
+            (plain,) = run_engines([{**common, "name": "plain", "mode": "plain"}], work)
+            print("AFD 1A1F: FFN engine, then attention engine ...", flush=True)
+            os.environ["PATCHKIT_REPORT_DIR"] = str(reports)
+            ffn, attn = run_engines([
+                {**common, "name": "ffn", "mode": "ffn", "afd": {**afd, "role": "ffn"}},
+                {**common, "name": "attn", "mode": "attention", "afd": {**afd, "role": "attention"}},
+            ], work, stagger_s=1.0)
+        except EngineFailed as exc:
+            print(exc)
+            return 1
+        print(f"\n{'prompt':>6}  {'plain vLLM':42}  {'AFD 1A1F (attention + FFN)':42}  same")
+        for i, (a, b) in enumerate(zip(plain["tokens"], attn["tokens"], strict=True)):
+            print(f"{i:>6}  {a!s:42}  {b!s:42}  {'yes' if a == b else 'NO'}")
+        s = attn["stats"][0]
+        print(f"\nattention: {s['steps']} forward steps x {s['layers']} layers = {s['exchanges']} exchanges; "
+              f"MLP parameters held: {len(s['mlp_param_names'])}; "
+              f"FFN engine KV cache bytes: {ffn['stats'][0]['kv_cache_bytes']}")
+        print("\nper-process patch reports (both engines):", flush=True)
         check = subprocess.run([sys.executable, "-m", "patchkit.cli", "report", str(reports)])
-        same = plain.result["tokens"] == plugged.result["tokens"]
-        return 0 if same and check.returncode == 0 else 1
+        return 0 if plain["tokens"] == attn["tokens"] and check.returncode == 0 else 1
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def generate(model: str, additional_config: dict | None = None, hf_overrides: di
     outputs = llm.generate(token_prompts, params, use_tqdm=False)
     done = time.perf_counter()
     result = {"tokens": [], "logprobs": [], "startup_s": round(ready - started, 2),
-              "generate_s": round(done - ready, 3)}
+              "generate_s": round(done - ready, 3),
+              "worker_cls": str(llm.llm_engine.vllm_config.parallel_config.worker_cls)}
     for out in outputs:
         completion = out.outputs[0]
         result["tokens"].append(list(completion.token_ids))

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import patchkit
-from afd_patches.config import CONFIG_KEY, parse
+from afd_patches import CONFIG_KEY
 
 
 class AfdUnavailable(RuntimeError):
@@ -30,6 +30,11 @@ def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: A
     """Check ``additional_config["afd"]`` before any config is built; store it normalized."""
     additional = getattr(engine_args, "additional_config", None) or {}
     if CONFIG_KEY in additional:
+        from afd_patches.config import parse  # only runs that ask for AFD pay for jsonschema
+
         require_active_plan()
-        engine_args.additional_config = {**additional, CONFIG_KEY: parse(additional[CONFIG_KEY]).to_dict()}
+        cfg = parse(additional[CONFIG_KEY])
+        engine_args.additional_config = {**additional, CONFIG_KEY: cfg.to_dict()}
+        if cfg.role == "ffn":
+            engine_args.enable_prefix_caching = False  # the FFN role has no KV cache to share
     return original(engine_args, *args, **kwargs)

@@ -6,15 +6,14 @@ missing: they fail, loudly, because a green run without vLLM would prove nothing
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from vllm_run import REPO  # noqa: E402
+from vllm_run import REPO
 
 
 @pytest.fixture(scope="session")

@@ -48,12 +48,17 @@ def test_without_plugin_no_report_and_same_tokens(with_plugin, tiny_llama, tmp_p
     assert gen.result is not None and plain.result is not None
     assert gen.result["tokens"] == plain.result["tokens"]
     assert gen.result["logprobs"] == plain.result["logprobs"]
+    # no AFD config: the worker override leaves vLLM's own worker in place
+    assert gen.result["worker_cls"] == plain.result["worker_cls"] == "vllm.v1.worker.cpu_worker.CPUWorker"
 
 
 @pytest.mark.parametrize("afd,needle", [
     ({"role": "attention", "bogus": 1}, 'additional_config["afd"]["bogus"]: unknown key'),
     ({"role": "attention", "afd_role": "ffn"}, 'additional_config["afd"]["afd_role"]: given together'),
     ({"role": "attention", "port": 70000}, 'additional_config["afd"]["port"]'),
+    ({"role": "attention", "num_attention_ranks": 3, "num_ffn_ranks": 2},
+     'additional_config["afd"]["num_attention_ranks"]: 3 is not a multiple of num_ffn_ranks=2'),
+    ({"role": "ffn", "connector": "carrier-pigeon"}, 'additional_config["afd"]["connector"]: unknown connector'),
 ])
 def test_bad_afd_config_fails_fast_naming_the_key(tiny_llama, afd, needle):
     started = time.perf_counter()
@@ -91,3 +96,17 @@ def test_wheel_in_fresh_venv_finds_manifests_and_schemas(tmp_path):
                           env=env, timeout=300, cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert "_manifests/vllm-0.32.yaml" in plan.stdout and "afd.validate-config" in plan.stdout
+
+
+def test_afd_config_without_the_plugin_fails_fast(tiny_llama):
+    """VLLM_PLUGINS='' with an AFD run: the AFD architecture is unknown to vLLM, so it fails at once.
+
+    (Without the plugin nothing of ours runs, so the message is vLLM's; it names the AFD architecture.)
+    """
+    started = time.perf_counter()
+    gen = run_generate(tiny_llama, "--additional-config", json.dumps({"afd": {"role": "attention"}}),
+                       "--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]}),
+                       timeout=180, VLLM_PLUGINS="")
+    assert gen.returncode != 0
+    assert "AFDLlamaForCausalLM" in gen.output and "not supported" in gen.output, gen.output[-3000:]
+    assert time.perf_counter() - started < 90

@@ -583,3 +583,11 @@ def test_generated_wrapper_forwards_every_parameter_kind():
     with pytest.raises(TypeError):
         patched(1)  # d is required, as in the original
     assert patched.__wrapped__ is original and patched.__name__ == "original"
+
+
+def test_commit_ids_are_normalized():
+    from patchkit.planning import normalize_commit
+
+    assert normalize_commit("gced6857af") == "ced6857af"  # CUDA wheels' git-describe form
+    assert normalize_commit("CED6857AF") == "ced6857af"
+    assert normalize_commit("None") is None and normalize_commit("abc") is None

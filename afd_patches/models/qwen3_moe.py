@@ -1,0 +1,68 @@
+"""``AFDQwen3MoeForCausalLM``: vLLM's Qwen3-MoE, split into an attention role and an FFN (experts) role.
+
+See ``afd_patches.models.common`` for the role contract and its limits. Per
+layer the FFN role builds what vLLM's Qwen3-MoE decoder layer would build: the
+sparse MoE block (router + FusedMoE experts, plus shared expert if configured)
+or, for ``mlp_only_layers`` / non-sparse steps, the dense ``Qwen3MoeMLP``.
+FusedMoE looks itself up in vLLM's forward context, so FFN calls run inside
+one. The MoE bookkeeping attributes vLLM reads (``moe_layers``,
+``num_moe_layers``, expert counts) describe the FFN role's experts; the
+attention role reports none. EPLB and expert parallelism are not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from vllm.model_executor.models.qwen3_moe import (
+    Qwen3MoeForCausalLM,
+    Qwen3MoeMLP,
+    Qwen3MoeSparseMoeBlock,
+)
+
+from afd_patches.models.common import ATTENTION, AfdCausalLMMixin
+
+
+def _is_sparse(config: Any, layer: int) -> bool:
+    """The condition under which vLLM's Qwen3-MoE decoder layer builds a sparse MoE block."""
+    mlp_only = getattr(config, "mlp_only_layers", None) or []
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return layer not in mlp_only and config.num_experts > 0 and (layer + 1) % step == 0
+
+
+class AFDQwen3MoeForCausalLM(AfdCausalLMMixin, Qwen3MoeForCausalLM):
+    """Qwen3-MoE with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
+
+    afd_needs_forward_context = True
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if self.afd_role == ATTENTION:
+            self.moe_layers = []  # the experts live on the FFN role
+            self.num_moe_layers = 0
+            return
+        blocks = [getattr(layer, self.afd_ffn_attr) for layer in self._afd_layers()]
+        sparse = [b for b in blocks if isinstance(b, Qwen3MoeSparseMoeBlock)]
+        self.moe_layers = [b.experts for b in sparse]
+        self.num_moe_layers = len(sparse)
+        self.num_expert_groups = 1
+        self.num_shared_experts = 0
+        if sparse:
+            self.num_logical_experts = sparse[0].n_logical_experts
+            self.num_physical_experts = sparse[0].n_physical_experts
+            self.num_local_physical_experts = sparse[0].n_local_physical_experts
+            self.num_routed_experts = sparse[0].n_routed_experts
+            self.num_redundant_experts = sparse[0].n_redundant_experts
+
+    def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
+        config = vllm_config.model_config.hf_text_config
+        if _is_sparse(config, layer):
+            return Qwen3MoeSparseMoeBlock(vllm_config=vllm_config, prefix=prefix)
+        return Qwen3MoeMLP(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            quant_config=vllm_config.quant_config,
+            prefix=prefix,
+        )

@@ -1,0 +1,260 @@
+"""Role behaviour shared by the CPU and CUDA AFD workers (mixins placed before the vLLM worker).
+
+Attention role (``AttentionRoleMixin``): a normal vLLM worker with a KV cache.
+After the model is loaded it builds the connector named by the AFD config,
+connects (blocking until the FFN role is there) and binds it to the model, so
+the warm-up/profile forwards that follow already exchange with the FFN role.
+
+FFN role (``FfnRoleMixin``): no KV cache (``get_kv_cache_spec() == {}``, so the
+engine starts as for an attention-free model and allocates no cache), prefix
+caching off, no warm-up forwards, never runs ``execute_model``. After the model
+is loaded a daemon thread connects and serves: receive one layer's hidden
+states from every attention rank it serves, run that layer's FFN once on all of
+them, send each rank its slice. It stops on ``ConnectorClosed`` (the attention
+side shut down) or ``shutdown()``.
+
+Both expose, through ``collective_rpc``: ``afd_stats()`` (role, steps,
+messages, KV cache bytes, parameter names of FFN/attention kind) and, on the FFN
+role, ``afd_wait(timeout_s)`` which blocks until the serve loop ends and
+re-raises its error.
+
+Lockstep (rA:1F): an idle vLLM engine does not step, yet the FFN rank waits
+for every attention rank it serves before its one batched call. So when an
+FFN rank serves more than one attention rank, each attention worker runs an
+idle ticker: after ``IDLE_TICK_S`` without a step it runs a zero-token step
+(every layer, empty tensors) through the connector. Busy ranks then wait at most
+about ``IDLE_TICK_S`` per step for idle ones. Idle ranks' step ids differ from
+busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
+
+Limits: one connector per worker (no TP/PP inside a role); the FFN loop serves
+one layer message at a time (no micro-batch overlap); idle ticks cost empty
+exchanges at about 1/IDLE_TICK_S per second while every rank is idle; an
+attention rank that shuts down ends the FFN rank's loop (all ranks sharing an
+FFN rank must stay up until all are done).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from afd_patches.config import AfdConfig
+from afd_patches.connectors import REGISTRY
+from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorTimeout
+from afd_patches.models.common import afd_config_of
+
+logger = logging.getLogger("afd")
+
+IDLE_TICK_S = 0.02
+
+
+def build_connector(cfg: AfdConfig) -> Connector:
+    """Instantiate (not yet ``init()``) the connector named by ``cfg.connector``."""
+    ref = REGISTRY[cfg.connector]
+    module, _, name = ref.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(cfg)  # type: ignore[no-any-return]
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _param_summary(model: torch.nn.Module) -> dict[str, Any]:
+    names = [n for n, _ in model.named_parameters()]
+    return {
+        "mlp_param_names": [n for n in names if ".mlp." in n or ".experts." in n],
+        "attn_param_names": [n for n in names if ".self_attn." in n or "embed_tokens" in n or "lm_head" in n],
+    }
+
+
+class _RoleBase:
+    """Shared helpers; assumes a vLLM worker (``vllm_config``, ``model_runner``) further down the MRO."""
+
+    vllm_config: Any
+    model_runner: Any
+    _afd_connector: Connector | None = None
+
+    def _afd_model(self) -> Any:
+        return self.model_runner.get_model()
+
+    def _afd_common_stats(self, role: str) -> dict[str, Any]:
+        conn = self._afd_connector
+        model = self._afd_model()
+        stats: dict[str, Any] = {
+            "role": role,
+            "messages_sent": conn.messages_sent if conn else 0,
+            "messages_received": conn.messages_received if conn else 0,
+            "kv_cache_bytes": _tensor_bytes(getattr(self.model_runner, "kv_caches", [])),
+            "kv_cache_spec_layers": len(self.get_kv_cache_spec()),  # type: ignore[attr-defined]
+        }
+        stats.update(_param_summary(model))
+        stats.update(model.afd_stats() if hasattr(model, "afd_stats") else {})
+        return stats
+
+
+class AttentionRoleMixin(_RoleBase):
+    """Attention role: connect after loading the model and bind the connector to it."""
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        cfg = afd_config_of(self.vllm_config)
+        model = self._afd_model()
+        if not hasattr(model, "afd_bind"):
+            raise RuntimeError(
+                f"AFD attention role needs an AFD<Arch> model, got {type(model).__name__}; "
+                "select it with hf_overrides={'architectures': ['AFD<Arch>']}")
+        connector = build_connector(cfg)
+        t0 = time.monotonic()
+        connector.init()
+        logger.info("AFD attention rank %d connected in %.1fs", cfg.rank, time.monotonic() - t0)
+        self._afd_connector = connector
+        model.afd_bind(connector)
+        self._afd_ticker_stop = threading.Event()
+        if cfg.num_attention_ranks > cfg.num_ffn_ranks:
+            threading.Thread(target=self._afd_tick, args=(model.afd_link(),), name=f"afd-idle-{cfg.rank}",
+                             daemon=True).start()
+
+    def _afd_tick(self, link: Any) -> None:
+        """Zero-token steps while this engine is idle, so the FFN rank's batch never waits forever."""
+        while not self._afd_ticker_stop.wait(IDLE_TICK_S):
+            try:
+                link.try_idle_step(IDLE_TICK_S)
+            except ConnectorClosed:
+                return
+            except Exception:
+                if not self._afd_ticker_stop.is_set():
+                    logger.exception("AFD idle step failed; stopping the idle ticker")
+                return
+
+    def afd_stats(self) -> dict[str, Any]:
+        """Stats between steps (waits up to 5 s for a step in flight, so counts are consistent)."""
+        lock = self._afd_model().afd_link().lock
+        locked = lock.acquire(timeout=5.0)
+        try:
+            return self._afd_common_stats("attention")
+        finally:
+            if locked:
+                lock.release()
+
+    def afd_close(self) -> None:
+        """Close the connector (the FFN role then sees ConnectorClosed). Idempotent."""
+        stop = getattr(self, "_afd_ticker_stop", None)
+        if stop is not None:
+            stop.set()
+        conn, self._afd_connector = self._afd_connector, None
+        if conn is None:
+            return
+        lock = self._afd_model().afd_link().lock
+        locked = lock.acquire(timeout=5.0)  # let an idle step in flight finish
+        try:
+            conn.close()
+        finally:
+            if locked:
+                lock.release()
+
+    def shutdown(self) -> None:
+        try:
+            self.afd_close()
+        finally:
+            super().shutdown()  # type: ignore[misc]
+
+
+class FfnRoleMixin(_RoleBase):
+    """FFN role: no KV cache, no scheduling; a background receive → FFN → send loop."""
+
+    _afd_thread: threading.Thread | None = None
+    _afd_error: BaseException | None = None
+    _afd_batches = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.vllm_config.cache_config.enable_prefix_caching = False
+        self._afd_stop = threading.Event()
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        return {}
+
+    def determine_available_memory(self) -> int:
+        return 0
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the AFD FFN role does not schedule requests; send them to an attention engine")
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        cfg = afd_config_of(self.vllm_config)
+        model = self._afd_model()
+        if not hasattr(model, "afd_ffn"):
+            raise RuntimeError(f"AFD FFN role needs an AFD<Arch> model, got {type(model).__name__}")
+        self._afd_connector = build_connector(cfg)
+        self._afd_thread = threading.Thread(target=self._afd_serve, name=f"afd-ffn-{cfg.rank}", daemon=True)
+        self._afd_thread.start()
+
+    def _afd_serve(self) -> None:
+        conn = self._afd_connector
+        assert conn is not None
+        model = self._afd_model()
+        try:
+            conn.init()
+            while not self._afd_stop.is_set():
+                try:
+                    meta, inputs = conn.recv_attn_output()
+                except ConnectorClosed:
+                    break
+                except ConnectorTimeout:
+                    if self._afd_stop.is_set():
+                        break
+                    raise
+                sizes = [t.shape[0] for t in inputs]
+                with torch.inference_mode():
+                    batch = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+                    out = model.afd_ffn(meta.layer, batch)
+                    outputs = [out] if len(inputs) == 1 else list(torch.split(out, sizes))
+                conn.send_ffn_output(outputs, meta)
+                self._afd_batches += 1
+        except ConnectorClosed:
+            pass
+        except BaseException as e:  # surfaced by afd_wait()
+            logger.exception("AFD FFN serve loop failed")
+            self._afd_error = e
+        finally:
+            try:
+                conn.close()
+            except Exception:  # closing after a failure must not hide it
+                logger.debug("AFD FFN connector close failed", exc_info=True)
+
+    def afd_wait(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Block until the serve loop ends (attention side closed); return stats, re-raise its error."""
+        if self._afd_thread is not None:
+            self._afd_thread.join(timeout_s)
+            if self._afd_thread.is_alive():
+                raise TimeoutError(f"AFD FFN loop still running after {timeout_s}s")
+        if self._afd_error is not None:
+            raise RuntimeError(f"AFD FFN serve loop failed: {self._afd_error!r}") from self._afd_error
+        return self.afd_stats()
+
+    def afd_stats(self) -> dict[str, Any]:
+        stats = self._afd_common_stats("ffn")
+        stats["ffn_batches"] = self._afd_batches
+        return stats
+
+    def shutdown(self) -> None:
+        self._afd_stop.set()
+        try:
+            if self._afd_thread is not None and self._afd_thread.is_alive() and self._afd_connector is not None:
+                self._afd_connector.close()
+                self._afd_thread.join(5.0)
+        finally:
+            super().shutdown()  # type: ignore[misc]

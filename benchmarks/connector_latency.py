@@ -1,0 +1,114 @@
+"""Per-layer exchange latency of the ``torch_dist`` connector: 1 attention + 1 FFN rank, gloo, loopback.
+
+One exchange is what a decoder layer costs on the attention side:
+``send_attn_output`` + ``recv_ffn_output`` while the FFN rank echoes the tensor
+back (``recv_attn_output`` + ``send_ffn_output``, no compute). Prints the median
+and p99 in microseconds over ``--iters`` exchanges after ``--warmup``.
+
+    .venv/bin/python benchmarks/connector_latency.py [--iters 2000] [--tokens 8] [--hidden 64] [--inline-bytes N]
+
+Runs two local processes on a free loopback port; nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from typing import Any
+
+
+def _config(role: str, port: int, inline_bytes: int) -> Any:
+    from afd_patches.config import AfdConfig
+
+    extra = {"backend": "gloo", "inline_bytes": inline_bytes}
+    return AfdConfig(role=role, host="127.0.0.1", port=port, timeout_s=30.0, connector_extra_config=extra)
+
+
+def _ffn(port: int, inline_bytes: int) -> None:
+    import torch
+
+    from afd_patches.connectors.base import ConnectorClosed
+    from afd_patches.connectors.torch_dist import TorchDistConnector
+
+    torch.set_num_threads(1)
+    conn = TorchDistConnector(_config("ffn", port, inline_bytes))
+    conn.init()
+    try:
+        while True:
+            meta, xs = conn.recv_attn_output()
+            conn.send_ffn_output(xs, meta)
+    except ConnectorClosed:
+        pass
+    finally:
+        conn.close()
+
+
+def _attention(port: int, inline_bytes: int, iters: int, warmup: int, tokens: int, hidden: int, out: Any) -> None:
+    import torch
+
+    from afd_patches.connectors.torch_dist import TorchDistConnector
+
+    torch.set_num_threads(1)
+    conn = TorchDistConnector(_config("attention", port, inline_bytes))
+    conn.init()
+    x = torch.randn(tokens, hidden)
+    samples: list[float] = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        conn.send_attn_output(x, i % 32, i // 32)
+        y = conn.recv_ffn_output(i % 32, i // 32)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            samples.append(dt)
+    ok = torch.equal(x, y)
+    conn.close()
+    out.put((samples, ok))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument(
+        "--inline-bytes", type=int, default=64 * 1024, help="payloads up to this size ride in the header message"
+    )
+    args = parser.parse_args()
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    out = ctx.Queue()
+    ffn = ctx.Process(target=_ffn, args=(port, args.inline_bytes), daemon=True)
+    attn = ctx.Process(
+        target=_attention, args=(port, args.inline_bytes, args.iters, args.warmup, args.tokens, args.hidden, out)
+    )
+    ffn.start()
+    attn.start()
+    samples, ok = out.get(timeout=600)
+    attn.join(30)
+    ffn.join(30)
+    for p in (attn, ffn):
+        if p.is_alive():
+            p.kill()
+    us = sorted(s * 1e6 for s in samples)
+    p99 = us[min(len(us) - 1, round(0.99 * (len(us) - 1)))]
+    print(
+        f"torch_dist/gloo 1A1F loopback, {args.tokens}x{args.hidden} float32, inline_bytes={args.inline_bytes}, "
+        f"{len(us)} exchanges "
+        f"(send_attn_output+recv_ffn_output, FFN echo): median {statistics.median(us):.1f} us, "
+        f"p99 {p99:.1f} us, min {us[0]:.1f} us, max {us[-1]:.1f} us, echo exact: {ok}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""AFD on real vLLM (CPU build): greedy tokens and top logprobs equal plain vLLM's.
+
+A tiny random float32 checkpoint is built with transformers. Plain vLLM runs it
+once; then the AFD roles run it, each in its own process (FFN role started
+first, then the attention role(s)), talking over the configured connector.
+Checks: same greedy tokens and top-5 logprobs as plain vLLM; the attention
+model holds no MLP parameters; the FFN side has no KV cache and no attention
+parameters; messages exchanged == layers x forward steps.
+
+Every engine process runs under a hard time limit and is killed (with its
+process group) when it overruns. Marked ``vllm``: needs the real vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from afd_engine import ARCH, ENGINE_TIMEOUT_S, EngineFailed, free_port, kill, run_engines, start, tail
+from tiny_model import build
+
+pytestmark = pytest.mark.vllm
+
+LAYERS = 2
+PROMPTS = [[1, 17, 42, 99, 123, 7], [5, 300, 211, 64], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
+MAX_TOKENS = 8
+LOGPROBS = 5
+ABS_TOL = 0.0  # token-exact: float32 on CPU gives bit-identical logprobs
+
+
+def _build_model(path: Path, family: str) -> Path:
+    """A tiny random float32 checkpoint (hidden 64, 2 layers, vocab 512, head_dim 32, std 0.2)."""
+    return build(path / family, family)
+
+
+def _run_engines(specs: list[dict[str, Any]], tmp: Path, stagger_s: float = 0.0) -> list[dict[str, Any]]:
+    try:
+        return run_engines(specs, tmp, stagger_s=stagger_s)
+    except EngineFailed as exc:
+        pytest.fail(str(exc))
+
+
+def _spec(name: str, mode: str, model: Path, family: str, afd: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"name": name, "mode": mode, "model": str(model), "arch": ARCH[family], "afd": afd or {},
+            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS}
+
+
+def _assert_same_outputs(plain: dict[str, Any], afd: dict[str, Any]) -> float:
+    """Same greedy tokens and same top-k token sets; logprobs within ABS_TOL. Returns the max difference."""
+    assert afd["tokens"] == plain["tokens"]
+    worst = 0.0
+    for seq_p, seq_a in zip(plain["logprobs"], afd["logprobs"], strict=True):
+        for step_p, step_a in zip(seq_p, seq_a, strict=True):
+            assert set(step_p) == set(step_a)
+            for tok, lp in step_p.items():
+                worst = max(worst, abs(lp - step_a[tok]))
+    assert worst <= ABS_TOL, f"max |logprob difference| {worst}"
+    return worst
+
+
+def _check_roles(attn_stats: dict[str, Any], ffn_stats: dict[str, Any], ffn_ranks_served: int) -> None:
+    """Role invariants; with one attention rank also the exact message counts (layers x steps)."""
+    assert attn_stats["role"] == "attention" and ffn_stats["role"] == "ffn"
+    assert attn_stats["mlp_param_names"] == []
+    assert attn_stats["kv_cache_bytes"] > 0
+    assert ffn_stats["kv_cache_spec_layers"] == 0 and ffn_stats["kv_cache_bytes"] == 0
+    assert ffn_stats["attn_param_names"] == [] and ffn_stats["mlp_param_names"]
+    layers, steps = attn_stats["layers"], attn_stats["steps"]
+    assert layers == LAYERS and steps > 0
+    # zero-token idle steps (several ranks per FFN) may be cut short by a peer's shutdown
+    cut = 0 if ffn_ranks_served == 1 else layers
+    assert layers * steps - cut <= attn_stats["exchanges"] <= layers * steps
+    assert attn_stats["messages_received"] == attn_stats["exchanges"]
+    assert layers * steps - cut <= attn_stats["messages_sent"] <= layers * steps
+    if ffn_ranks_served == 1:
+        assert ffn_stats["ffn_batches"] == layers * steps
+        assert ffn_stats["messages_received"] == layers * steps
+    else:  # every FFN batch takes one message from each served rank
+        assert ffn_stats["messages_received"] == ffn_ranks_served * ffn_stats["ffn_batches"]
+        assert abs(ffn_stats["ffn_batches"] - attn_stats["exchanges"]) <= layers
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("afd-e2e")
+
+
+_PLAIN: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+
+def _model_and_plain(workdir: Path, family: str) -> tuple[Path, dict[str, Any]]:
+    """The family's checkpoint and plain vLLM's result on it (computed once per module)."""
+    if family not in _PLAIN:
+        model = _build_model(workdir, family)
+        (plain,) = _run_engines([_spec(f"{family}-plain", "plain", model, family)], workdir)
+        _PLAIN[family] = (model, plain)
+    return _PLAIN[family]
+
+
+def _afd(num_attention_ranks: int) -> dict[str, Any]:
+    return {"connector": "torch_dist", "port": free_port(), "num_attention_ranks": num_attention_ranks,
+            "num_ffn_ranks": 1, "timeout_s": 120.0}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str) -> None:
+    model, plain = _model_and_plain(workdir, family)
+    afd = _afd(1)
+    ffn, attn = _run_engines([
+        _spec(f"{family}-ffn", "ffn", model, family, {**afd, "role": "ffn"}),
+        _spec(f"{family}-attn", "attention", model, family, {**afd, "role": "attention"}),
+    ], workdir, stagger_s=1.0)
+    worst = _assert_same_outputs(plain, attn)
+    _check_roles(attn["stats"][0], ffn["stats"][0], ffn_ranks_served=1)
+    print(f"{family} 1A1F: tokens equal, max |dlogprob| {worst:.2e}; plain {plain['seconds']}, "
+          f"attention {attn['seconds']}, ffn {ffn['seconds']}, steps {attn['stats'][0]['steps']}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str) -> None:
+    """Two attention engines with the same workload share one FFN engine (one batched FFN call per layer)."""
+    model, plain = _model_and_plain(workdir, family)
+    afd = _afd(2)
+    flags = [str(workdir / f"2a-done-{r}") for r in range(2)]
+    for f in flags:
+        Path(f).unlink(missing_ok=True)
+    attn_specs = []
+    for r in range(2):
+        spec = _spec(f"{family}-2a-attn{r}", "attention", model, family, {**afd, "role": "attention", "rank": r})
+        spec.update(done_flag=flags[r], wait_for=flags)  # close together: the first close ends the FFN loop
+        attn_specs.append(spec)
+    ffn, *attns = _run_engines([_spec(f"{family}-2a-ffn", "ffn", model, family, {**afd, "role": "ffn"}),
+                                *attn_specs], workdir, stagger_s=1.0)
+    for attn in attns:
+        _assert_same_outputs(plain, attn)
+        _check_roles(attn["stats"][0], ffn["stats"][0], ffn_ranks_served=2)
+
+
+def test_afd_2a1f_busy_and_idle_rank_finishes(workdir: Path) -> None:
+    """One attention rank serves requests, the other gets none: the idle rank's zero-token steps keep
+    the FFN rank's batch moving, and the busy rank still matches plain vLLM."""
+    family = "llama"
+    model, plain = _model_and_plain(workdir, family)
+    afd = _afd(2)
+    done = workdir / "idle-test-busy-done"
+    done.unlink(missing_ok=True)
+    busy_spec = _spec(f"{family}-idle-attn0", "attention", model, family, {**afd, "role": "attention", "rank": 0})
+    busy_spec["done_flag"] = str(done)
+    idle_spec = _spec(f"{family}-idle-attn1", "attention", model, family, {**afd, "role": "attention", "rank": 1})
+    idle_spec.update(generate=False, wait_for=[str(done)])
+    ffn, busy, idle = _run_engines([
+        _spec(f"{family}-idle-ffn", "ffn", model, family, {**afd, "role": "ffn"}), busy_spec, idle_spec,
+    ], workdir, stagger_s=1.0)
+    _assert_same_outputs(plain, busy)
+    b, i = busy["stats"][0], idle["stats"][0]
+    assert b["exchanges"] == b["layers"] * b["steps"]
+    # the idle rank's last zero-token step may be cut short when the busy rank shuts down
+    assert i["layers"] * (i["steps"] - 1) <= i["exchanges"] <= i["layers"] * i["steps"]
+    assert i["idle_steps"] > 0 and i["steps"] - 1 <= i["idle_steps"] <= i["steps"]  # all its steps are idle ones
+    assert ffn["stats"][0]["kv_cache_bytes"] == 0
+
+
+def test_ffn_killed_mid_generation_fails_attention_within_timeout(workdir: Path) -> None:
+    """Killing the FFN engine mid-generation makes the attention engine fail with a connector error, fast."""
+    family = "llama"
+    model, _ = _model_and_plain(workdir, family)
+    timeout_s = 15.0
+    afd = {**_afd(1), "timeout_s": timeout_s}
+    ready = workdir / "kill-attn-ready"
+    ready.unlink(missing_ok=True)
+    attn_spec = _spec("kill-attn", "attention", model, family, {**afd, "role": "attention"})
+    attn_spec.update(max_tokens=240, ready_flag=str(ready))
+    ffn = start(_spec("kill-ffn", "ffn", model, family, {**afd, "role": "ffn"}), workdir)
+    attn = None
+    try:
+        time.sleep(1.0)
+        attn = start(attn_spec, workdir)
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        while not ready.exists():
+            assert attn[0].poll() is None, tail(attn[1])
+            assert time.monotonic() < deadline, "attention engine did not come up"
+            time.sleep(0.1)
+        time.sleep(1.0)  # generation of 3 x 240 tokens is under way
+        os.killpg(ffn[0].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        try:
+            attn[0].wait(timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"attention engine still running {timeout_s + 60}s after the FFN was killed")
+        elapsed = time.monotonic() - killed_at
+        log = tail(attn[1], 20000)
+        assert attn[0].returncode != 0
+        assert "ConnectorError" in log or "ConnectorTimeout" in log, log[-3000:]
+        assert "AFD" in log
+        assert elapsed < timeout_s + 30, elapsed
+        print(f"attention failed {elapsed:.1f}s after the FFN was killed (timeout_s={timeout_s})")
+    finally:
+        kill([ffn[0]] + ([attn[0]] if attn else []))

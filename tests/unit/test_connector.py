@@ -1,0 +1,395 @@
+"""The ``torch_dist`` connector between real processes over gloo on loopback.
+
+Processes come from a ``forkserver`` that preloads torch, vLLM's distributed
+utilities and the connector once, so each rank starts in a fraction of a second
+instead of re-importing vLLM (about 5 s each). Every test bounds its processes
+(``_join_all``) and fails, killing them, if one is still alive after the bound.
+Workers report through a queue: ``(name, result dict)``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import signal
+import socket
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from afd_patches import topology
+from afd_patches.config import AfdConfig
+from afd_patches.connectors.base import ConnectorError, Meta
+from afd_patches.connectors.torch_dist import (
+    HEADER_LEN,
+    KIND_CLOSE,
+    KIND_DATA,
+    TorchDistConnector,
+    decode_header,
+    encode_header,
+)
+
+HIDDEN = 16
+SLACK_S = 3.0  # scheduling slack on a busy 2-core machine
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "vllm.distributed.utils", "afd_patches.connectors.torch_dist", __name__])
+
+
+# --------------------------------------------------------------------------- helpers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_config(
+    role: str, rank: int, port: int, a: int = 1, f: int = 1, timeout_s: float = 15.0, **extra: Any
+) -> AfdConfig:
+    return AfdConfig(
+        role=role,
+        host="127.0.0.1",
+        port=port,
+        num_attention_ranks=a,
+        num_ffn_ranks=f,
+        rank=rank,
+        timeout_s=timeout_s,
+        connector_extra_config={"backend": "gloo", **extra},
+    )
+
+
+def attn_input(rank: int, layer: int, step: int, tokens: int) -> torch.Tensor:
+    """Distinct, exactly representable values per (rank, layer, step, token)."""
+    base = rank * 10_000 + layer * 1_000 + step * 100
+    rows = torch.arange(tokens, dtype=torch.float32).unsqueeze(1) * 0.5
+    return base + rows + torch.arange(HIDDEN, dtype=torch.float32) * 0.25
+
+
+def ffn(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def _report(queue: Any, name: str, **result: Any) -> None:
+    queue.put((name, result))
+
+
+def _error_fields(e: BaseException) -> dict[str, Any]:
+    return {"error": type(e).__name__, "message": str(e)}
+
+
+def attention_worker(cfg: AfdConfig, plan: list[int], layers: int, queue: Any, forever: bool = False) -> None:
+    """Run ``plan`` (tokens per step) through every layer; check each result exactly; close."""
+    torch.set_num_threads(1)
+    name = f"attention{cfg.rank}"
+    conn = TorchDistConnector(cfg)
+    mismatches = 0
+    last_ok = time.monotonic()
+    try:
+        conn.init()
+        step = 0
+        while step < len(plan) or forever:
+            tokens = plan[step % len(plan)]
+            for layer in range(layers):
+                x = attn_input(cfg.rank, layer, step, tokens)
+                conn.send_attn_output(x, layer, step)
+                y = conn.recv_ffn_output(layer, step)
+                if y.shape != x.shape or not torch.equal(y, ffn(x)):
+                    mismatches += 1
+                last_ok = time.monotonic()
+            step += 1
+            if forever and step == 3:
+                _report(queue, name + "-progress", step=step)
+            if forever:
+                time.sleep(0.01)
+    except ConnectorError as e:
+        _report(queue, name, since_last_ok=time.monotonic() - last_ok, mismatches=mismatches, **_error_fields(e))
+        conn.close()
+        return
+    conn.close()
+    _report(
+        queue,
+        name,
+        error=None,
+        mismatches=mismatches,
+        sent=conn.messages_sent,
+        received=conn.messages_received,
+    )
+
+
+def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0) -> None:
+    """Serve until the attention side closes: one batched FFN call per received step."""
+    torch.set_num_threads(1)
+    time.sleep(delay_s)
+    name = f"ffn{cfg.rank}"
+    conn = TorchDistConnector(cfg)
+    calls = 0
+    metas: list[Meta] = []
+    try:
+        conn.init()
+        while True:
+            meta, xs = conn.recv_attn_output()
+            rows = [x.shape[0] for x in xs]
+            outs = list(torch.split(ffn(torch.cat(xs)), rows))
+            conn.send_ffn_output(outs, meta)
+            calls += 1
+            metas.append(meta)
+    except ConnectorError as e:
+        conn.close()
+        _report(
+            queue,
+            name,
+            calls=calls,
+            sent=conn.messages_sent,
+            received=conn.messages_received,
+            metas=[(m.layer, m.step, m.shape, m.dtype) for m in metas],
+            **_error_fields(e),
+        )
+
+
+def init_only_worker(cfg: AfdConfig, queue: Any) -> None:
+    """``init()`` alone; report how it ended and how long it took."""
+    conn = TorchDistConnector(cfg)
+    t0 = time.monotonic()
+    try:
+        conn.init()
+        result: dict[str, Any] = {"error": None}
+    except ConnectorError as e:
+        result = _error_fields(e)
+    result["elapsed"] = time.monotonic() - t0
+    conn.close()
+    _report(queue, f"{cfg.role}{cfg.rank}", **result)
+
+
+def silent_attention_worker(cfg: AfdConfig, queue: Any, silence_s: float) -> None:
+    """Join the group, then send nothing for ``silence_s`` (a hung attention rank)."""
+    conn = TorchDistConnector(cfg)
+    conn.init()
+    queue.put(("attention-joined", {}))
+    time.sleep(silence_s)
+    conn.close()
+
+
+def start(target: Any, *args: Any) -> mp.process.BaseProcess:
+    p = _CTX.Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+def collect(queue: Any, names: set[str], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Results of ``names`` from the queue, failing if any is missing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    got: dict[str, dict[str, Any]] = {}
+    while names - set(got):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pytest.fail(f"no result from {sorted(names - set(got))} within {timeout_s}s (got {got})")
+        try:
+            name, result = queue.get(timeout=left)
+        except queue_mod.Empty:
+            continue
+        got[name] = result
+    return got
+
+
+def _join_all(procs: list[mp.process.BaseProcess], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.1))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join(5)
+    assert not alive, f"processes still alive after {timeout_s}s: {alive}"
+
+
+# ------------------------------------------------------------------- pure functions
+def test_topology_block_mapping() -> None:
+    assert [topology.ffn_rank_of(i, 4, 2) for i in range(4)] == [0, 0, 1, 1]
+    assert topology.attention_ranks_of(1, 6, 3) == [2, 3]
+    assert topology.attention_ranks_of(0, 3, 1) == [0, 1, 2]
+    for a, f in [(1, 1), (4, 2), (8, 4), (6, 1)]:
+        served = [i for j in range(f) for i in topology.attention_ranks_of(j, a, f)]
+        assert served == list(range(a))
+        assert all(topology.ffn_rank_of(i, a, f) == j for j in range(f) for i in topology.attention_ranks_of(j, a, f))
+    # FFN-first global ranks
+    assert [topology.global_rank("ffn", j, 4, 2) for j in range(2)] == [0, 1]
+    assert [topology.global_rank("attention", i, 4, 2) for i in range(4)] == [2, 3, 4, 5]
+    assert topology.role_of_global(3, 4, 2) == ("attention", 1)
+    assert topology.world_size(4, 2) == 6
+
+
+@pytest.mark.parametrize(
+    ("a", "f", "words"),
+    [(1, 2, "num_attention_ranks >= num_ffn_ranks"), (3, 2, "not a multiple"), (0, 1, ">= 1")],
+)
+def test_topology_validate(a: int, f: int, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        topology.validate(a, f)
+    with pytest.raises(ValueError, match="out of range"):
+        topology.ffn_rank_of(4, 4, 2)
+
+
+def test_header_round_trip() -> None:
+    t = torch.zeros(0, HIDDEN, dtype=torch.bfloat16)
+    h = encode_header(KIND_DATA, 7, 123456, t, torch.device("cpu"))
+    assert h.shape == (HEADER_LEN,) and h.dtype == torch.int64
+    assert decode_header(h) == (KIND_DATA, 7, 123456, (0, HIDDEN), "bfloat16", False)
+    message = torch.cat(
+        [
+            encode_header(KIND_DATA, 1, 2, t, torch.device("cpu"), True).view(torch.uint8),
+            torch.ones(9, dtype=torch.uint8),
+        ]
+    )
+    assert decode_header(message) == (KIND_DATA, 1, 2, (0, HIDDEN), "bfloat16", True)
+    assert decode_header(encode_header(KIND_CLOSE, -1, -1, None, torch.device("cpu")))[0] == KIND_CLOSE
+    with pytest.raises(ConnectorError, match="malformed"):
+        decode_header(torch.zeros(HEADER_LEN, dtype=torch.int64))
+    with pytest.raises(ConnectorError, match="dtype"):
+        encode_header(KIND_DATA, 0, 0, torch.zeros(2, dtype=torch.complex64), torch.device("cpu"))
+
+
+def test_wrong_side_and_uninitialised() -> None:
+    conn = TorchDistConnector(make_config("attention", 0, 1))
+    with pytest.raises(ConnectorError, match="ffn-side"):
+        conn.recv_attn_output()
+    with pytest.raises(ConnectorError, match="not initialised"):
+        conn.send_attn_output(torch.zeros(1, HIDDEN), 0, 0)
+    with pytest.raises(ConnectorError, match="unknown key"):
+        TorchDistConnector(AfdConfig(role="ffn", connector_extra_config={"bakend": "gloo"}))
+
+
+# ----------------------------------------------------------------- multi-process
+def test_round_trip_1a1f_and_close() -> None:
+    """x*2+1 exactly for every layer and step (zero-token steps included); close ends the FFN loop.
+
+    The FFN starts a second after the attention rank, whose init() must wait for the store.
+    Step 3 (1100 tokens x 64 B) is over the 64 KiB inline limit: header and payload travel apart.
+    """
+    port, layers, plan = free_port(), 3, [3, 0, 5, 1100, 0]
+    queue = _CTX.Queue()
+    procs = [
+        start(attention_worker, make_config("attention", 0, port), plan, layers, queue),
+        start(ffn_worker, make_config("ffn", 0, port), queue, 1.0),
+    ]
+    got = collect(queue, {"ffn0", "attention0"}, 45)
+    _join_all(procs, 10)
+    n = layers * len(plan)
+    assert got["attention0"] == {"error": None, "mismatches": 0, "sent": n, "received": n}
+    f = got["ffn0"]
+    assert f["error"] == "ConnectorClosed", f
+    assert (f["calls"], f["sent"], f["received"]) == (n, n, n)
+    assert f["metas"][:2] == [(0, 0, (3, HIDDEN), "float32"), (1, 0, (3, HIDDEN), "float32")]
+    assert f["metas"][layers] == (0, 1, (0, HIDDEN), "float32")
+    assert f["metas"][3 * layers] == (0, 3, (1100, HIDDEN), "float32")
+
+
+def test_2a1f_batched_with_idle_rank() -> None:
+    """One FFN call per layer-step over both ranks' tokens; each rank gets its own rows back.
+
+    ``inline_bytes=0``: every payload is its own message (the NCCL layout).
+    """
+    port, layers = free_port(), 2
+    plans = {0: [4, 2, 0, 3], 1: [0, 0, 5, 1]}  # rank 1 idle at first, rank 0 idle at step 2
+    queue = _CTX.Queue()
+    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2, inline_bytes=0), queue)]
+    procs += [
+        start(attention_worker, make_config("attention", r, port, a=2, inline_bytes=0), plan, layers, queue)
+        for r, plan in plans.items()
+    ]
+    got = collect(queue, {"ffn0", "attention0", "attention1"}, 45)
+    _join_all(procs, 10)
+    n = layers * len(plans[0])
+    for r in plans:
+        assert got[f"attention{r}"] == {"error": None, "mismatches": 0, "sent": n, "received": n}
+    f = got["ffn0"]
+    assert f["error"] == "ConnectorClosed", f
+    assert (f["calls"], f["sent"], f["received"]) == (n, 2 * n, 2 * n)
+    assert [m[2][0] for m in f["metas"][::layers]] == [4, 2, 5, 4]  # batched rows per step
+
+
+def test_2a2f_block_mapping() -> None:
+    """Two FFN ranks each serve their own attention rank in one group."""
+    port, layers, plan = free_port(), 2, [2, 0, 1]
+    queue = _CTX.Queue()
+    procs = [start(ffn_worker, make_config("ffn", j, port, a=2, f=2), queue) for j in range(2)]
+    procs += [
+        start(attention_worker, make_config("attention", r, port, a=2, f=2), plan, layers, queue) for r in range(2)
+    ]
+    got = collect(queue, {"ffn0", "ffn1", "attention0", "attention1"}, 45)
+    _join_all(procs, 10)
+    n = layers * len(plan)
+    for r in range(2):
+        assert got[f"attention{r}"] == {"error": None, "mismatches": 0, "sent": n, "received": n}
+        assert (got[f"ffn{r}"]["error"], got[f"ffn{r}"]["calls"]) == ("ConnectorClosed", n)
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_dead_or_hung_ffn(how: str) -> None:
+    """FFN killed (socket closes) or frozen (only the timeout can tell): attention fails within timeout_s."""
+    port, timeout_s = free_port(), 2.0
+    queue = _CTX.Queue()
+    ffn_proc = start(ffn_worker, make_config("ffn", 0, port, timeout_s=timeout_s), queue)
+    attn_cfg = make_config("attention", 0, port, timeout_s=timeout_s)
+    attn_proc = start(attention_worker, attn_cfg, [2], 2, queue, True)
+    try:
+        collect(queue, {"attention0-progress"}, 30)
+        t0 = time.monotonic()
+        if how == "killed":
+            ffn_proc.terminate()
+        else:
+            os.kill(ffn_proc.pid, signal.SIGSTOP)
+        res = collect(queue, {"attention0"}, timeout_s + 2 * SLACK_S)["attention0"]
+        elapsed = time.monotonic() - t0
+    finally:
+        if ffn_proc.is_alive():
+            ffn_proc.kill()
+    _join_all([ffn_proc, attn_proc], 10)
+    assert res["error"] in ("ConnectorTimeout", "ConnectorError"), res
+    assert res["mismatches"] == 0
+    print(how, f"{elapsed:.2f}s", res["message"])
+    assert elapsed < timeout_s + SLACK_S, (elapsed, res)
+    assert "ffn rank 0" in res["message"] and f"127.0.0.1:{port}" in res["message"], res["message"]
+    if how == "hung":
+        assert res["error"] == "ConnectorTimeout", res
+        assert timeout_s - 0.5 < res["since_last_ok"] < timeout_s + SLACK_S, res
+
+
+def test_init_fails_within_timeout_naming_host_port() -> None:
+    """Attention with no FFN (store never up) and FFN with no attention (nobody joins) both give up in time."""
+    timeout_s = 3.0
+    port_a, port_f = free_port(), free_port()
+    queue = _CTX.Queue()
+    procs = [
+        start(init_only_worker, make_config("attention", 0, port_a, timeout_s=timeout_s), queue),
+        start(init_only_worker, make_config("ffn", 0, port_f, timeout_s=timeout_s), queue),
+    ]
+    got = collect(queue, {"attention0", "ffn0"}, timeout_s + 4 * SLACK_S)
+    _join_all(procs, 10)
+    for name, port in (("attention0", port_a), ("ffn0", port_f)):
+        res = got[name]
+        assert res["error"] == "ConnectorTimeout", res
+        assert f"127.0.0.1:{port}" in res["message"], res["message"]
+        assert res["elapsed"] < timeout_s + SLACK_S, res
+        print(name, f"{res['elapsed']:.2f}s", res["message"])
+
+
+def test_ffn_idle_timeout_names_silent_attention_rank() -> None:
+    """An attention rank that joins but never sends: the FFN's wait ends after idle_timeout_s."""
+    port, idle_s = free_port(), 1.0
+    queue = _CTX.Queue()
+    procs = [
+        start(ffn_worker, make_config("ffn", 0, port, idle_timeout_s=idle_s), queue),
+        start(silent_attention_worker, make_config("attention", 0, port), queue, idle_s + 2 * SLACK_S),
+    ]
+    collect(queue, {"attention-joined"}, 30)
+    t0 = time.monotonic()
+    res = collect(queue, {"ffn0"}, idle_s + 2 * SLACK_S)["ffn0"]
+    elapsed = time.monotonic() - t0
+    procs[1].terminate()  # done being silent
+    _join_all(procs, 10)
+    assert res["error"] == "ConnectorTimeout", res
+    assert "attention rank 0" in res["message"] and f"127.0.0.1:{port}" in res["message"], res["message"]
+    assert elapsed < idle_s + SLACK_S, elapsed
