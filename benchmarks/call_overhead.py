@@ -1,7 +1,7 @@
 """Per-call overhead of patched functions: ``replace`` vs a direct call, ``wrap`` vs a hand-written closure.
 
-Both sides are measured side by side in one process, interleaved, best of
-several repeats (the minimum is the least noisy estimate of the true cost).
+Both sides are measured side by side in one process, in alternating rounds,
+best of each (the minimum is the least noisy estimate of the true cost).
 
     python benchmarks/call_overhead.py
 """
@@ -38,8 +38,13 @@ patches:
 WRAP = MANIFEST.replace("op: replace, with: \"bench_plug:replacement\"", "op: wrap, with: \"bench_plug:wrapper\"")
 
 
-def best(fn, number: int = 500_000, repeat: int = 7) -> float:
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e9
+def paired(a, b, number: int = 200_000, rounds: int = 25) -> tuple[float, float]:
+    """Best ns per call of ``a`` and ``b``, measured in alternating rounds (fair under a noisy machine)."""
+    best_a = best_b = float("inf")
+    for _ in range(rounds):
+        best_a = min(best_a, timeit.timeit(a, number=number))
+        best_b = min(best_b, timeit.timeit(b, number=number))
+    return best_a / number * 1e9, best_b / number * 1e9
 
 
 def main() -> None:
@@ -65,18 +70,16 @@ def main() -> None:
         assert patchkit.activate("bench", root / "m", runtime).active
         replaced = bench_target.work
         direct = bench_plug.replacement
-        t_direct = best(lambda: direct(1))
-        t_replaced = best(lambda: replaced(1))
+        t_direct, t_replaced = paired(lambda: direct(1), lambda: replaced(1))
         patchkit.revert()
 
         (root / "m" / "a.yaml").write_text(WRAP)
         assert patchkit.activate("bench", root / "m", runtime).active
         wrapped = bench_target.work
-        t_hand = best(lambda: hand_written(1))
-        t_wrapped = best(lambda: wrapped(1))
+        t_hand, t_wrapped = paired(lambda: hand_written(1), lambda: wrapped(1))
         patchkit.revert()
 
-    print("call overhead, ns per call (best of 7 x 500k), python", sys.version.split()[0])
+    print("call overhead, ns per call (best of 25 alternating rounds x 200k), python", sys.version.split()[0])
     print(f"replace: direct call {t_direct:6.1f}  patched {t_replaced:6.1f}  ratio {t_replaced / t_direct:.2f}x")
     print(f"wrap:    hand-written {t_hand:6.1f}  patchkit {t_wrapped:6.1f}  ratio {t_wrapped / t_hand:.2f}x")
 
