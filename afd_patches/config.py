@@ -11,6 +11,7 @@ the key, before any worker starts.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from typing import Any
@@ -73,10 +74,23 @@ def parse(raw: Any) -> AfdConfig:
             values[canonical] = values.pop(alias)
     if "role" not in values:
         raise _fail("role", "is required (attention or ffn)")
+    _check_numbers(values)
     cfg = AfdConfig(**values)
     _check_topology(cfg)
     _check_connector(cfg)
     return cfg
+
+
+_INT_KEYS = ("port", "num_attention_ranks", "num_ffn_ranks", "rank")
+
+
+def _check_numbers(values: dict[str, Any]) -> None:
+    """What JSON Schema lets through: ``1.0`` counts as an integer there, and NaN passes a minimum."""
+    for key in _INT_KEYS:
+        if key in values and (isinstance(values[key], bool) or not isinstance(values[key], int)):
+            raise _fail(key, f"{values[key]!r} is not an integer")
+    if "timeout_s" in values and not math.isfinite(values["timeout_s"]):
+        raise _fail("timeout_s", f"{values['timeout_s']!r} is not a finite number of seconds")
 
 
 def _check_topology(cfg: AfdConfig) -> None:

@@ -4,15 +4,16 @@ Validating YAML needs ``yaml``, ``jsonschema`` and ``packaging`` (about 150 ms
 of imports) — too much for every vLLM process. ``compiled(...)`` returns the
 selected manifest, the plan order and the static guard verdicts; the first
 process computes them and stores JSON under the cache directory, keyed by every
-input that can change the answer: each manifest file's name, size and mtime,
+input that can change the answer: each manifest file's name and content hash,
 the schema, patchkit's format version, the vLLM version and commit, and Python.
 Later processes read one small JSON file.
 
 The cache directory is ``$PATCHKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/patchkit``,
 else ``~/.cache/patchkit``. Writes are atomic (temp file + rename), so
 concurrent processes at worst compute the same plan twice. An unwritable or
-corrupt cache is ignored, never fatal. Fingerprints of live objects are cached
-the same way, keyed by file, size, mtime and first line.
+corrupt cache is ignored, never fatal, and so is a cache file that another user owns
+or that group/others may write (the cache is trusted input: a plan names callables).
+Fingerprints of live objects are cached the same way, keyed by file, size, mtime and first line.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def manifest_files(directory: Path) -> list[Path]:
 def _key(files: list[Path], runtime: Runtime) -> str:
     h = hashlib.sha256(FORMAT.encode())
     for p in [*files, resources.schema_path("manifest.schema.json")]:
-        st = p.stat()
-        h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        # The content, not size + mtime: reproducible builds and `cp -p` keep mtimes, and an edit
+        # of one fingerprint digit keeps the size, so size + mtime can name a stale plan.
+        h.update(f"{p}|{hashlib.sha256(p.read_bytes()).hexdigest()}\n".encode())
     h.update(f"{runtime.vllm_version}|{runtime.vllm_commit}|{python_tag()}".encode())
     return h.hexdigest()[:32]
 
@@ -106,9 +108,19 @@ def compile_plan(files: list[Path], runtime: Runtime) -> Compiled:
 def _read_json(path: Path) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
+            if not _trusted(os.fstat(f.fileno())):
+                return None
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def _trusted(st: os.stat_result) -> bool:
+    """A cached plan names callables to import: only trust a file that this user (or root) owns
+    and that nobody else may rewrite. Files written here are 0600 (mkstemp), so they pass."""
+    if not hasattr(os, "getuid"):
+        return True
+    return st.st_uid in (0, os.getuid()) and not st.st_mode & 0o022
 
 
 def _write_json(path: Path, data: Any) -> None:

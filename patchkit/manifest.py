@@ -293,8 +293,13 @@ def parse(text: str | bytes, file: str) -> Manifest:
 
     from patchkit import yamlsrc
 
-    raw = text.encode() if isinstance(text, str) else text
-    doc, lines = yamlsrc.load(raw, file)
+    # surrogatepass: a str holding lone surrogates becomes bytes that fail UTF-8 decoding in
+    # yamlsrc (a ManifestError naming the line), not a UnicodeEncodeError here.
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    try:
+        doc, lines = yamlsrc.load(raw, file)
+    except RecursionError:
+        raise ManifestError([Problem(file, 1, "", "document nested too deeply")]) from None
     if not isinstance(doc, dict):
         raise ManifestError([Problem(file, 1, "", f"a manifest is a mapping, not {type(doc).__name__}")])
     problems = _schema_problems(doc, lines, file)
@@ -339,7 +344,4 @@ def load(path: str | pathlib.Path) -> Manifest:
         raw = path.read_bytes()
     except OSError as exc:
         raise ManifestError([Problem(str(path), 1, "", f"cannot read: {exc.strerror}")]) from None
-    try:
-        return parse(raw, str(path))
-    except RecursionError:
-        raise ManifestError([Problem(str(path), 1, "", "document nested too deeply")]) from None
+    return parse(raw, str(path))

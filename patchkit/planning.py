@@ -154,8 +154,11 @@ def runtime_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
     if "platform" in when and runtime.platform not in when["platform"]:
         return f"platform {runtime.platform} not in {when['platform']}"
     for name, wanted in when.get("env", {}).items():
-        if os.environ.get(name) != wanted:
-            return f"env {name}={os.environ.get(name)!r}, guard wants {wanted!r}"
+        value = os.environ.get(name)
+        if value != wanted:
+            # Never the variable's value: reasons go into logs and PATCHKIT_REPORT_DIR files.
+            found = "unset" if value is None else "set to another value"
+            return f"env {name} is {found}, guard wants {'it unset' if wanted is None else repr(wanted)}"
     return None
 
 

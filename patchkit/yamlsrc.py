@@ -60,7 +60,13 @@ class _Builder:
             return result
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*path, i)) for i, item in enumerate(node.value)]
-        return self.loader.construct_object(node, deep=True)
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except (ValueError, LookupError, TypeError, ArithmeticError) as exc:
+            # An explicit core tag on a scalar it cannot read (`!!int abc`, `!!bool maybe`), or an
+            # integer longer than Python converts: PyYAML raises plain Python errors for these.
+            message = str(exc) if len(str(exc)) <= 200 else str(exc)[:200] + "…"
+            raise self.fail(node, path, f"cannot read {node.tag} value: {message}") from None
 
 
 def load(text: str | bytes, file: str) -> tuple[Any, dict[FieldPath, int]]:

@@ -1,0 +1,47 @@
+"""additional_config["afd"] parsing: every mistake names its key."""
+
+from __future__ import annotations
+
+import pytest
+
+from afd_patches.config import AfdConfig, AfdConfigError, from_additional_config, parse, role_of
+
+
+def test_aliases_are_normalized_and_defaults_filled():
+    cfg = parse({"afd_role": "attention", "afd_host": "10.0.0.1", "afd_port": 4000, "num_attention_ranks": 2,
+                 "rank": 1})
+    assert cfg == AfdConfig(role="attention", host="10.0.0.1", port=4000, num_attention_ranks=2, rank=1)
+    assert cfg.connector == "torch_dist" and cfg.num_ffn_ranks == 1
+
+
+@pytest.mark.parametrize("raw,key,fragment", [
+    ({"role": "ffn", "colour": "red"}, "colour", "unknown key"),
+    ({"role": "ffn", "afd_role": "ffn"}, "afd_role", "together with its canonical key 'role'"),
+    ({"port": 1}, "role", "is required"),
+    ({"role": "both"}, "role", "is not one of"),
+    ({"role": "ffn", "port": 0}, "port", "less than the minimum"),
+    ({"role": "ffn", "port": 70000}, "port", "greater than the maximum"),
+    ({"role": "ffn", "port": 1.0}, "port", "is not an integer"),
+    ({"role": "ffn", "timeout_s": float("nan")}, "timeout_s", "not a finite number"),
+    ({"role": "ffn", "timeout_s": 0}, "timeout_s", "less than or equal to the minimum"),
+    ({"role": "ffn", "num_attention_ranks": 1, "num_ffn_ranks": 2}, "num_ffn_ranks", "need A >= F"),
+    ({"role": "ffn", "num_attention_ranks": 3, "num_ffn_ranks": 2}, "num_attention_ranks", "not a multiple"),
+    ({"role": "attention", "num_attention_ranks": 2, "rank": 2}, "rank", "out of range for 2 attention"),
+    ({"role": "ffn", "connector": "pigeon"}, "connector", "unknown connector 'pigeon'"),
+])
+def test_bad_configs_name_the_key(raw, key, fragment):
+    with pytest.raises(AfdConfigError) as err:
+        parse(raw)
+    assert f'additional_config["afd"]["{key}"]' in str(err.value)
+    assert fragment in str(err.value)
+
+
+def test_off_unless_present():
+    assert from_additional_config(None) is None and from_additional_config({"other": 1}) is None
+
+    class Config:
+        additional_config = {"afd": {"role": "ffn"}}
+
+    assert role_of(Config()) == "ffn"
+    with pytest.raises(AfdConfigError, match="must be a mapping"):
+        parse(["role", "ffn"])

@@ -1,0 +1,345 @@
+"""Fault injection on the real AFD plan shape: every entry, every way it can fail.
+
+The plan of ``manifests/afd/vllm-0.32.yaml`` (its entries, order, ops, models and
+``workers``) is retargeted onto a throwaway tree: ``fkvllm`` mimics vLLM
+(``EngineArgs.create_engine_config`` a method, ``add_cli_args`` a staticmethod,
+``from_cli_args`` a classmethod, a model registry) and ``fkafd`` the plugin. Three
+extra entries add ``replace`` and ``set`` ops. For each position in the plan, the
+entry there is made to fail at apply time: its callable's module fails to import,
+raises at module level, or lacks the name; its target is missing; its fingerprint
+drifted under ``on_drift: fail``. After each: every owner's ``__dict__`` holds the
+original objects (descriptors included), ``Status.problem`` names the entry, and a
+later clean activation works. A wrap factory that raises does so at call time only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import patchkit
+from patchkit import engine, fingerprint, importhook, manifest, planning, vllm_adapter
+from patchkit.planning import Runtime
+from patchkit.targets import Slot, unwrap_descriptor
+
+REPO = Path(__file__).resolve().parents[2]
+REAL = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
+PLUGIN = "fkafd"
+FACTORY = "def {name}(original, *args, **kwargs):\n    CALLS.append({name!r})\n    return original(*args, **kwargs)\n"
+
+TREE = {
+    "fkvllm/__init__.py": "",
+    "fkvllm/engine/__init__.py": "",
+    "fkvllm/engine/arg_utils.py": """
+        class EngineArgs:
+            def create_engine_config(self, usage_context=None):
+                return {"config": usage_context}
+
+            @staticmethod
+            def add_cli_args(parser):
+                return parser
+
+            @classmethod
+            def from_cli_args(cls, args):
+                return cls()
+
+        ORIGINALS = dict(vars(EngineArgs))
+    """,
+    "fkvllm/utils.py": """
+        LIMIT = 64
+
+        def helper(x):
+            return ("helper", x)
+
+        def compute(x):
+            return x * 2
+
+        ORIGINALS = dict(globals())
+    """,
+    "fkvllm/user.py": "from fkvllm.utils import helper\n",
+    "fkvllm/model_executor/__init__.py": "",
+    "fkvllm/model_executor/models/__init__.py": "",
+    "fkvllm/model_executor/models/registry.py": """
+        class _Registry:
+            fail_arch = None
+
+            def __init__(self):
+                self.models = {"Existing": "somewhere:Existing"}
+
+            def register_model(self, arch, ref):
+                if arch == self.fail_arch:
+                    raise RuntimeError("registry refuses " + arch)
+                self.models[arch] = ref
+
+        ModelRegistry = _Registry()
+    """,
+    "fkafd/__init__.py": "",
+    "fkafd/compat/__init__.py": "",
+    "fkafd/compat/engine_config.py": "CALLS = []\n" + FACTORY.format(name="validate_afd_config"),
+    "fkafd/compat/cli_flags.py": "CALLS = []\n" + FACTORY.format(name="add_afd_cli_args")
+    + FACTORY.format(name="afd_from_cli_args"),
+    "fkafd/config.py": "def role_of(config):\n    return None\n",
+    "fkafd/extra.py": "CALLS = []\nFLAG = object()\n\ndef helper(x):\n    return ('replaced', x)\n\n"
+    + FACTORY.format(name="compute_wrap"),
+    "fkafd/fault_import.py": "import fk_no_such_module_anywhere\n\ndef thing(original, *a, **k):\n    return 1\n",
+    "fkafd/fault_code.py": "RATIO = 1 / 0\n\ndef thing(original, *a, **k):\n    return 1\n",
+    "fkafd/raising.py": "def thing(original, *args, **kwargs):\n    raise LookupError('factory raised')\n",
+}
+
+EXTRA = [
+    {"id": "x.replace-helper", "target": "fkvllm.utils:helper", "op": "replace", "with": "fkafd.extra:helper",
+     "fingerprint": True, "why": "replace a module function (rebind auto reaches fkvllm.user)"},
+    {"id": "x.set-flag", "target": "fkvllm.engine.arg_utils:EngineArgs.afd_flag", "op": "set",
+     "with": "fkafd.extra:FLAG", "rebind": "none", "why": "a new class attribute"},
+    {"id": "x.set-limit", "target": "fkvllm.utils:LIMIT", "op": "set", "value": 128, "why": "a plain value"},
+    {"id": "x.wrap-compute", "target": "fkvllm.utils:compute", "op": "wrap", "with": "fkafd.extra:compute_wrap",
+     "after": ["afd.cli-flags"], "fingerprint": True, "why": "a module function after a class method"},
+]
+
+
+def fk(ref: str) -> str:
+    return "fk" + ref if ref.startswith("vllm.") else ref.replace("afd_patches", "fkafd")
+
+
+def live_fingerprint(target: str) -> str:
+    raw = Slot.resolve(target).get_raw()
+    value = fingerprint.of_object(unwrap_descriptor(raw)[0])
+    assert value, target
+    return value
+
+
+def plan_doc(with_fingerprints: bool) -> dict[str, Any]:
+    """The real 0.32 manifest retargeted onto fkvllm/fkafd, plus EXTRA."""
+    real = yaml.safe_load(REAL.read_text())
+    fp = live_fingerprint if with_fingerprints else (lambda _t: "ast1:0000000000000000:0000000000000000")
+    patches = []
+    for p in real["patches"]:
+        q = {**p, "target": fk(p["target"]), "with": fk(p["with"])}
+        if "fingerprint" in q:
+            q["fingerprint"] = fp(q["target"])
+        patches.append(q)
+    for p in EXTRA:
+        q = dict(p)
+        if q.pop("fingerprint", False):
+            q["fingerprint"] = fp(q["target"])
+        patches.append(q)
+    w = real["workers"]
+    workers = {**w, "at": fk(w["at"]), "fingerprint": fp(fk(w["at"])), "role_of": fk(w["role_of"]),
+               "overrides": [{**o, "class": fk(o["class"])} for o in w["overrides"]]}
+    return {**real, "plugin": PLUGIN, "packages": ["fkafd"], "vllm": {"version": "==0.32.0"},
+            "patches": patches, "models": [{**m, "class": fk(m["class"])} for m in real["models"]],
+            "workers": workers}
+
+
+def _plan_order() -> list[str]:
+    doc = plan_doc(with_fingerprints=False)
+    return [e.id for e in planning.order(manifest.parse(yaml.safe_dump(doc), "plan.yaml").entries)]
+
+
+ORDER = _plan_order()
+APPLY_FAULTS = ["import-error", "module-error", "missing-attr", "missing-owner", "missing-target", "drift"]
+
+
+def inject(doc: dict[str, Any], entry_id: str, fault: str) -> bool:
+    """Make ``entry_id`` fail with ``fault``; False when the fault does not apply to that entry."""
+    if entry_id == "workers":
+        item, ref_key, target_key = doc["workers"], "role_of", "at"
+    else:
+        item = next(p for p in doc["patches"] if p["id"] == entry_id)
+        ref_key, target_key = "with", "target"
+    module, _, qualname = item[target_key].partition(":")
+    if fault in ("import-error", "module-error", "missing-attr"):
+        if ref_key not in item:
+            return False  # set with a plain value: no callable to break
+        item[ref_key] = {"import-error": "fkafd.fault_import:thing", "module-error": "fkafd.fault_code:thing",
+                         "missing-attr": "fkafd.extra:no_such_thing"}[fault]
+    elif fault == "missing-owner":
+        item[target_key] = f"{module}:NoSuchOwner.{qualname.rpartition('.')[2]}"
+    elif fault == "missing-target":
+        if item.get("op") == "set":
+            return False  # set may create the attribute; a missing owner covers it
+        item[target_key] = f"{module}:{qualname}_gone"
+    elif fault == "drift":
+        if entry_id == "x.set-flag":
+            return False  # a new attribute has nothing to fingerprint
+        item["fingerprint"] = "ast1:0123456789abcdef:0123456789abcdef"
+    item["on_drift"] = "fail"
+    return True
+
+
+@pytest.fixture
+def tree(sandbox: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    sandbox(TREE)
+    monkeypatch.setattr(vllm_adapter, "MODEL_REGISTRY_MODULE", "fkvllm.model_executor.models.registry")
+    patchkit.revert()
+    patchkit._status.clear()
+    yield tmp_path
+    patchkit.revert()
+    patchkit._status.clear()
+
+
+def import_tree() -> dict[str, Any]:
+    return {name: importlib.import_module(name) for name in (
+        "fkvllm.engine.arg_utils", "fkvllm.utils", "fkvllm.user", "fkvllm.model_executor.models.registry")}
+
+
+def owners(mods: dict[str, Any]) -> list[Any]:
+    return [mods["fkvllm.engine.arg_utils"].EngineArgs, mods["fkvllm.engine.arg_utils"], mods["fkvllm.utils"],
+            mods["fkvllm.user"]]
+
+
+def snapshot(mods: dict[str, Any]) -> list[dict[str, Any]]:
+    registry = mods["fkvllm.model_executor.models.registry"].ModelRegistry.models
+    return [dict(vars(o)) for o in owners(mods)] + [dict(registry)]
+
+
+def diffs(before: list[dict[str, Any]], mods: dict[str, Any]) -> list[str]:
+    out = []
+    for i, (old, now) in enumerate(zip(before, snapshot(mods), strict=True)):
+        for key in old.keys() | now.keys():
+            if key not in old or key not in now or old[key] is not now[key]:
+                out.append(f"owner{i}.{key}")
+    return out
+
+
+def write(folder: Path, doc: dict[str, Any]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "m.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    return folder
+
+
+def assert_pristine(before: list[dict[str, Any]], mods: dict[str, Any]) -> None:
+    assert diffs(before, mods) == []
+    ea = mods["fkvllm.engine.arg_utils"]
+    assert dict(vars(ea.EngineArgs)) == ea.ORIGINALS
+    assert type(vars(ea.EngineArgs)["add_cli_args"]) is staticmethod
+    assert type(vars(ea.EngineArgs)["from_cli_args"]) is classmethod
+    assert mods["fkvllm.user"].helper is mods["fkvllm.utils"].ORIGINALS["helper"]
+    assert not [k for k in engine._LIVE if k[0] == PLUGIN]
+    assert not [m for m in importhook.pending() if m.startswith("fkvllm")]
+
+
+def clean_activation_works(root: Path, mods: dict[str, Any]) -> None:
+    patchkit.revert()
+    patchkit._status.clear()
+    before = snapshot(mods)
+    status = patchkit.activate(PLUGIN, write(root, plan_doc(True)), Runtime("0.32.0", None, _platform="cpu"))
+    assert status.active, status.problem
+    outcomes = {r["id"]: r["outcome"] for r in patchkit.applied(PLUGIN)}
+    assert set(outcomes.values()) == {"applied"}, outcomes
+    ea = mods["fkvllm.engine.arg_utils"]
+    assert ea.EngineArgs().create_engine_config("u") == {"config": "u"}
+    assert mods["fkvllm.user"].helper(1) == ("replaced", 1)
+    patchkit.revert()
+    assert diffs(before, mods) == []
+
+
+def test_plan_shape_is_the_real_one() -> None:
+    real_ids = [e.id for e in manifest.load(REAL).entries]
+    assert set(real_ids) <= set(ORDER) and len(ORDER) == len(real_ids) + len(EXTRA) >= 5
+    ops = {e.op for e in manifest.parse(yaml.safe_dump(plan_doc(False)), "p.yaml").entries}
+    assert ops == {"wrap", "replace", "set", "workers"}
+
+
+def test_clean_plan_applies_and_reverts(tree: Path) -> None:
+    mods = import_tree()
+    before = snapshot(mods)
+    clean_activation_works(tree / "clean", mods)
+    assert_pristine(before, mods)
+
+
+@pytest.mark.parametrize("fault", APPLY_FAULTS)
+@pytest.mark.parametrize("position", range(len(ORDER)), ids=ORDER)
+def test_apply_time_fault_rolls_back_everything(tree: Path, position: int, fault: str) -> None:
+    entry_id = ORDER[position]
+    mods = import_tree()
+    doc = plan_doc(True)
+    if not inject(doc, entry_id, fault):
+        pytest.skip(f"{fault} does not apply to {entry_id}")
+    before = snapshot(mods)
+    status = patchkit.activate(PLUGIN, write(tree / "bad", doc), Runtime("0.32.0", None, _platform="cpu"))
+    assert not status.active
+    assert status.problem is not None and f"'{entry_id}'" in status.problem, status.problem
+    records = {r["id"]: r["outcome"] for r in patchkit.applied(PLUGIN)}
+    assert records[entry_id] == "failed"
+    assert all(o in ("rolled-back", "cancelled", "failed") for o in records.values()), records
+    assert_pristine(before, mods)
+    clean_activation_works(tree / "clean", mods)
+    assert_pristine(before, mods)
+
+
+@pytest.mark.parametrize("position", range(len(ORDER)), ids=ORDER)
+def test_fault_in_import_hook_rolls_back_and_import_succeeds(tree: Path, position: int) -> None:
+    """Targets not imported yet: the failure happens inside the import hook, not in activate()."""
+    entry_id = ORDER[position]
+    import_tree()
+    doc = plan_doc(True)  # fingerprints need the live targets once
+    for name in [n for n in sys.modules if n.startswith("fkvllm")]:
+        del sys.modules[name]
+    assert inject(doc, entry_id, "import-error" if entry_id != "x.set-limit" else "missing-owner")
+    status = patchkit.activate(PLUGIN, write(tree / "bad", doc), Runtime("0.32.0", None, _platform="cpu"))
+    assert status.active  # nothing could be applied yet
+    mods = import_tree()  # must not raise: the failure is this plugin's, not the importer's
+    late = patchkit.status(PLUGIN)
+    assert late is not None and not late.active
+    assert late.problem is not None and f"'{entry_id}'" in late.problem, late.problem
+    ea = mods["fkvllm.engine.arg_utils"]
+    assert dict(vars(ea.EngineArgs)) == ea.ORIGINALS
+    utils = mods["fkvllm.utils"]
+    # (dunders excluded: the import hook puts the real __loader__ back after the module ran)
+    assert all(getattr(utils, k) is v for k, v in utils.ORIGINALS.items() if not k.startswith("__"))
+    assert mods["fkvllm.user"].helper is utils.ORIGINALS["helper"]
+    assert not [k for k in engine._LIVE if k[0] == PLUGIN]
+    clean_activation_works(tree / "clean", mods)
+
+
+@pytest.mark.parametrize("arch_index", range(3))
+def test_model_registration_fault_rolls_back(tree: Path, arch_index: int) -> None:
+    mods = import_tree()
+    doc = plan_doc(True)
+    arch = doc["models"][arch_index]["arch"]
+    registry = mods["fkvllm.model_executor.models.registry"].ModelRegistry
+    registry.fail_arch = arch
+    before = snapshot(mods)
+    status = patchkit.activate(PLUGIN, write(tree / "bad", doc), Runtime("0.32.0", None, _platform="cpu"))
+    assert not status.active and status.problem is not None and f"'model:{arch}'" in status.problem
+    assert_pristine(before, mods)
+    registry.fail_arch = None
+    clean_activation_works(tree / "clean", mods)
+
+
+WRAPS = [i for i in ORDER if i != "workers" and next(
+    (p for p in plan_doc(False)["patches"] if p["id"] == i), {}).get("op") == "wrap"]
+
+
+@pytest.mark.parametrize("entry_id", WRAPS)
+def test_raising_wrap_factory_fails_at_call_time_only(tree: Path, entry_id: str) -> None:
+    mods = import_tree()
+    doc = plan_doc(True)
+    next(p for p in doc["patches"] if p["id"] == entry_id)["with"] = "fkafd.raising:thing"
+    before = snapshot(mods)
+    status = patchkit.activate(PLUGIN, write(tree / "bad", doc), Runtime("0.32.0", None, _platform="cpu"))
+    assert status.active and status.problem is None
+    target = next(p for p in doc["patches"] if p["id"] == entry_id)["target"]
+    module, _, qualname = target.partition(":")
+    obj: Any = sys.modules[module]
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    call_args = {"create_engine_config": (mods["fkvllm.engine.arg_utils"].EngineArgs(),)}.get(
+        qualname.rpartition(".")[2], (1,))
+    with pytest.raises(LookupError, match="factory raised"):
+        obj(*call_args)
+    assert patchkit.status(PLUGIN).active  # a call-time error is the caller's, the plan stays
+    patchkit.revert()
+    assert_pristine(before, mods)
+
+
+def test_every_position_gets_every_applicable_fault() -> None:
+    applicable = sum(inject(plan_doc(False), i, f) for i in ORDER for f in APPLY_FAULTS)
+    assert len(ORDER) >= 7 and applicable >= 5 * len(ORDER) - 3
