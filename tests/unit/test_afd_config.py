@@ -39,9 +39,8 @@ def test_bad_configs_name_the_key(raw, key, fragment):
 def test_off_unless_present():
     assert from_additional_config(None) is None and from_additional_config({"other": 1}) is None
 
-    class Config:
-        additional_config = {"afd": {"role": "ffn"}}
+    from types import SimpleNamespace
 
-    assert role_of(Config()) == "ffn"
+    assert role_of(SimpleNamespace(additional_config={"afd": {"role": "ffn"}})) == "ffn"
     with pytest.raises(AfdConfigError, match="must be a mapping"):
         parse(["role", "ffn"])
