@@ -63,6 +63,7 @@ Limits
 
 from __future__ import annotations
 
+import inspect
 import socket
 import time
 from datetime import timedelta
@@ -230,6 +231,10 @@ class TorchDistConnector(Connector):
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         remaining = max(deadline - time.monotonic(), 1.0)
+        kwargs: dict[str, Any] = {}
+        # vLLM 0.30's helper takes no timeout (0.32's does); there the group forms under torch's default.
+        if "timeout" in inspect.signature(stateless_init_torch_distributed_process_group).parameters:
+            kwargs["timeout"] = timedelta(seconds=remaining)
         try:
             self._pg = stateless_init_torch_distributed_process_group(
                 host=self.config.host,
@@ -237,7 +242,7 @@ class TorchDistConnector(Connector):
                 rank=self.global_rank,
                 world_size=self.world_size,
                 backend=self.backend,
-                timeout=timedelta(seconds=remaining),
+                **kwargs,
             )
         except Exception as e:  # torch raises several unrelated types here
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
