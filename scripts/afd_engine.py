@@ -8,8 +8,7 @@ optional ``multiprocessing`` (vLLM's own process split; default off: one process
 ``ready_flag`` (a file created once the engine is up), ``generate``
 (default true; false for an idle attention rank), ``done_flag`` (a file created
 once generation is done) and ``wait_for`` (files that must exist before this
-rank closes its connector: ranks that share an FFN rank close together, since
-the first close ends the FFN's serve loop). Writes ``{"tokens", "logprobs",
+rank closes its connector, e.g. to keep an idle rank up while a busy one works). Writes ``{"tokens", "logprobs",
 "stats", "seconds"}``.
 
 As a module (tests, demo, benchmarks): ``run_engines(specs, workdir)`` starts one
@@ -30,7 +29,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3": "AFDQwen3ForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM"}
+ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3": "AFDQwen3ForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM",
+        "deepseek_v2": "AFDDeepseekV2ForCausalLM"}
 ENGINE_TIMEOUT_S = 300.0
 
 

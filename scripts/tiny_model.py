@@ -3,7 +3,12 @@
 Weights are drawn with a large std (0.2) so greedy tokens are decisive: vLLM's
 'dummy' weights give near-uniform logits, which makes token comparisons fragile.
 
-    python scripts/tiny_model.py OUT_DIR [--arch llama|qwen3|qwen3_moe] [--seed 0]
+    python scripts/tiny_model.py OUT_DIR [--arch llama|qwen3|qwen3_moe|deepseek_v2] [--seed 0]
+
+``deepseek_v2``: layer 0 dense MLP, layer 1 MoE (4 routed experts, top-2, one
+shared expert), MLA attention with ``kv_lora_rank`` 512 and ``qk_rope_head_dim``
+64 -- the only latent size vLLM's CPU MLA decode kernel supports (576) -- and
+small per-head dims (nope 32, v 32, 2 heads); ``q_lora_rank`` None.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ARCHES = ("llama", "qwen3", "qwen3_moe")
+ARCHES = ("llama", "qwen3", "qwen3_moe", "deepseek_v2")
 COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
     num_key_value_heads=1, head_dim=32, vocab_size=512, max_position_embeddings=256,
@@ -39,6 +44,15 @@ def build(out: Path, arch: str = "llama", seed: int = 0) -> Path:
             norm_topk_prob=True,
         )
         model = transformers.Qwen3MoeForCausalLM(config)
+    elif arch == "deepseek_v2":
+        config = transformers.DeepseekV2Config(
+            **{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")}, num_key_value_heads=2,
+            first_k_dense_replace=1, moe_layer_freq=1, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, moe_intermediate_size=32, topk_method="greedy", n_group=1, topk_group=1,
+            norm_topk_prob=False, routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=512,
+            qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        )
+        model = transformers.DeepseekV2ForCausalLM(config)
     else:
         raise ValueError(f"unknown arch {arch!r} (known: {', '.join(ARCHES)})")
     with torch.no_grad():

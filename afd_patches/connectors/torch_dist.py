@@ -419,32 +419,28 @@ class TorchDistConnector(Connector):
 
         ``Meta.shape`` is the shape of their concatenation along dim 0. All ranks
         must agree on layer, step, dtype and trailing dimensions, else
-        ``ConnectorError``. A ``CLOSE`` from any of them raises ``ConnectorClosed``.
+        ``ConnectorError``. A rank that sent ``CLOSE`` is idle from then on: its
+        slot holds a zero-row tensor and it is sent nothing. ``ConnectorClosed``
+        is raised once every served rank has closed.
         """
         self._check(topology.FFN)
-        posted = [self._post_header_recv(peer, "next attention output") for peer in self.peers]
-        decoded: list[tuple[int, torch.Tensor, Header]] = []
-        closed: list[int] = []
-        for i, ((message, work), peer) in enumerate(zip(posted, self.peers, strict=True)):
-            timeout_s = self.idle_timeout_s if i == 0 else self.timeout_s
-            try:
-                self._wait(work, peer, "next attention output (header)", timeout_s)
-            except ConnectorError:
-                if closed:
-                    break  # shutting down anyway; the first CLOSE is the news
-                raise
-            header = decode_header(message)
-            if header.kind == KIND_CLOSE:
-                # Keep collecting: the other ranks are normally closing too, and once all are
-                # marked closed our own close() has nobody left to notify.
-                closed.append(peer)
-                self._closed_peers.add(peer)
-                continue
-            decoded.append((peer, message, header))
-        if closed:
-            names = ", ".join(self._describe(p) for p in closed)
-            self._broken = f"{names} closed"
-            raise ConnectorClosed(f"AFD {self._me()}: {names} closed")
+        while True:
+            open_peers = [p for p in self.peers if p not in self._closed_peers]
+            if not open_peers:
+                self._broken = "all served attention ranks closed"
+                raise ConnectorClosed(f"AFD {self._me()}: every served attention rank closed")
+            posted = [(peer, self._post_header_recv(peer, "next attention output")) for peer in open_peers]
+            decoded: list[tuple[int, torch.Tensor, Header]] = []
+            for i, (peer, (message, work)) in enumerate(posted):
+                self._wait(work, peer, "next attention output (header)", self.idle_timeout_s if i == 0 else
+                           self.timeout_s)
+                header = decode_header(message)
+                if header.kind == KIND_CLOSE:
+                    self._closed_peers.add(peer)
+                else:
+                    decoded.append((peer, message, header))
+            if decoded:
+                break
         self._drain_sends()
         first = decoded[0][2]
         layer, step, shape0, dtype0 = first.layer, first.step, first.shape, first.dtype
@@ -452,7 +448,7 @@ class TorchDistConnector(Connector):
             if (other.layer, other.step) != (layer, step):
                 self._broken = "layer/step mismatch between attention ranks"
                 raise ConnectorError(
-                    f"AFD {self._me()}: attention ranks out of step: {self._describe(self.peers[0])} sent layer "
+                    f"AFD {self._me()}: attention ranks out of step: {self._describe(decoded[0][0])} sent layer "
                     f"{layer} step {step}, {self._describe(peer)} sent layer {other.layer} step {other.step}"
                 )
             shape, dtype = other.shape, other.dtype
@@ -460,15 +456,17 @@ class TorchDistConnector(Connector):
                 self._broken = "shape/dtype mismatch between attention ranks"
                 raise ConnectorError(
                     f"AFD {self._me()}: layer {layer} step {step}: {self._describe(peer)} sent {dtype}{list(shape)}, "
-                    f"{self._describe(self.peers[0])} sent {dtype0}{list(shape0)}; they cannot be batched"
+                    f"{self._describe(decoded[0][0])} sent {dtype0}{list(shape0)}; they cannot be batched"
                 )
         what = f"attention output of layer {layer} step {step}"
-        received = [self._recv_payload(message, header, peer, what) for peer, message, header in decoded]
-        for (_, work), peer in zip(received, self.peers, strict=True):
+        received = {peer: self._recv_payload(message, header, peer, what) for peer, message, header in decoded}
+        for peer, (_, work) in received.items():
             if work is not None:
                 self._wait(work, peer, f"payload of {what}", self.timeout_s)
-        tensors = [t for t, _ in received]
-        self.messages_received += len(tensors)
+        self.messages_received += len(received)
+        template = received[decoded[0][0]][0]
+        tensors = [received[p][0] if p in received else template.new_empty((0, *template.shape[1:]))
+                   for p in self.peers]
         rows = sum(t.shape[0] for t in tensors) if shape0 else 0
         return Meta(layer, step, (rows, *shape0[1:]) if shape0 else (), dtype0), tensors
 
@@ -479,4 +477,5 @@ class TorchDistConnector(Connector):
             raise ConnectorError(f"AFD {self._me()}: {len(outputs)} outputs for {len(self.peers)} attention ranks")
         self._drain_sends()
         for tensor, peer in zip(outputs, self.peers, strict=True):
-            self._send_tensor(self._wire(tensor), peer, meta.layer, meta.step)
+            if peer not in self._closed_peers:
+                self._send_tensor(self._wire(tensor), peer, meta.layer, meta.step)

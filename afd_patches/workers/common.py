@@ -28,9 +28,9 @@ busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
 
 Limits: one connector per worker (no TP/PP inside a role); the FFN loop serves
 one layer message at a time (no micro-batch overlap); idle ticks cost empty
-exchanges at about 1/IDLE_TICK_S per second while every rank is idle; an
-attention rank that shuts down ends the FFN rank's loop (all ranks sharing an
-FFN rank must stay up until all are done).
+exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
+attention rank that shuts down counts as idle from then on; the FFN rank's loop
+ends when every rank it serves has shut down.
 """
 
 from __future__ import annotations

@@ -34,7 +34,10 @@ ABS_TOL = 0.0  # token-exact: float32 on CPU gives bit-identical logprobs
 
 
 def _build_model(path: Path, family: str) -> Path:
-    """A tiny random float32 checkpoint (hidden 64, 2 layers, vocab 512, head_dim 32, std 0.2)."""
+    """A tiny random float32 checkpoint (hidden 64, 2 layers, vocab 512, std 0.2; see scripts/tiny_model.py).
+
+    deepseek_v2: layer 0 dense, layer 1 MoE with a shared expert, MLA attention (vLLM's CPU_MLA backend).
+    """
     return build(path / family, family)
 
 
@@ -107,7 +110,7 @@ def _afd(num_attention_ranks: int) -> dict[str, Any]:
             "num_ffn_ranks": 1, "timeout_s": 120.0}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "deepseek_v2"])
 def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str) -> None:
     model, plain = _model_and_plain(workdir, family)
     afd = _afd(1)
@@ -132,7 +135,7 @@ def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str) -> None:
     attn_specs = []
     for r in range(2):
         spec = _spec(f"{family}-2a-attn{r}", "attention", model, family, {**afd, "role": "attention", "rank": r})
-        spec.update(done_flag=flags[r], wait_for=flags)  # close together: the first close ends the FFN loop
+        spec.update(done_flag=flags[r], wait_for=flags)  # both up until both are done: same step counts
         attn_specs.append(spec)
     ffn, *attns = _run_engines([_spec(f"{family}-2a-ffn", "ffn", model, family, {**afd, "role": "ffn"}),
                                 *attn_specs], workdir, stagger_s=1.0)

@@ -310,6 +310,24 @@ def test_2a1f_batched_with_idle_rank() -> None:
     assert [m[2][0] for m in f["metas"][::layers]] == [4, 2, 5, 4]  # batched rows per step
 
 
+def test_2a1f_rank_that_closes_early_leaves_the_other_served() -> None:
+    """Rank 1 finishes after one step and closes; the FFN keeps serving rank 0 until it closes too."""
+    port, layers = free_port(), 2
+    plans = {0: [4, 2, 1, 3], 1: [5]}
+    queue = _CTX.Queue()
+    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2), queue)]
+    procs += [start(attention_worker, make_config("attention", r, port, a=2), plan, layers, queue)
+              for r, plan in plans.items()]
+    got = collect(queue, {"ffn0", "attention0", "attention1"}, 45)
+    _join_all(procs, 10)
+    for r, plan in plans.items():
+        n = layers * len(plan)
+        assert got[f"attention{r}"] == {"error": None, "mismatches": 0, "sent": n, "received": n}
+    f = got["ffn0"]
+    assert f["error"] == "ConnectorClosed", f
+    assert f["calls"] == layers * 4 and f["received"] == layers * (4 + 1)
+
+
 def test_2a2f_block_mapping() -> None:
     """Two FFN ranks each serve their own attention rank in one group."""
     port, layers, plan = free_port(), 2, [2, 0, 1]

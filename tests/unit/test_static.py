@@ -10,7 +10,6 @@ compare the static fingerprints with the runtime ones.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import textwrap
 import zipfile
@@ -25,7 +24,6 @@ from patchkit.static import Resolver, TreeError, open_tree
 from patchkit.static.sites import imports_from_ast, imports_from_text
 
 REPO = Path(__file__).resolve().parents[2]
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 COMMON = {
     "vllm/__init__.py": """
@@ -572,10 +570,7 @@ def test_unknown_format_is_bad_input(manifest: Path, trees: tuple[Path, Path]) -
 # -- the installed vLLM ----------------------------------------------------------
 
 
-needs_vllm_tree = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
-
-
-@needs_vllm_tree
+@pytest.mark.vllm
 def test_afd_manifest_checks_clean_against_installed_vllm() -> None:
     code, out = run_check(REPO / "manifests" / "afd" / "vllm-0.32.yaml", "installed", fmt="json")
     doc = json.loads(out)
@@ -584,7 +579,7 @@ def test_afd_manifest_checks_clean_against_installed_vllm() -> None:
     assert doc["entries"] and all(e["verdict"] == "ok" for e in doc["entries"] if e["fingerprint"]["pinned"])
 
 
-@needs_vllm_tree
+@pytest.mark.vllm
 def test_text_import_scan_agrees_with_the_ast_on_real_files() -> None:
     tree = open_tree("installed")
     sample = [m for m, data in tree.all_data() if b"set_forward_context" in data or b"TYPE_CHECKING" in data][:60]
@@ -605,8 +600,6 @@ def test_text_import_scan_agrees_with_the_ast_on_real_files() -> None:
     "vllm.forward_context:set_forward_context",
 ])
 def test_static_fingerprint_equals_runtime_fingerprint(target: str) -> None:
-    if not HAS_VLLM:
-        pytest.skip("vLLM is not installed")
     import importlib
 
     from patchkit.targets import Slot, unwrap_descriptor

@@ -1,0 +1,151 @@
+"""``AFDDeepseekV2ForCausalLM`` / ``AFDDeepseekV3ForCausalLM``: vLLM's DeepSeek-V2/V3, split into roles.
+
+See ``afd_patches.models.common`` for the role contract and its limits. In
+vLLM's DeepSeek-V2 family the FFN of decoder layer ``i`` is ``mlp`` for both
+kinds of layer: a dense ``DeepseekV2MLP`` for the first
+``first_k_dense_replace`` layers (and layers off ``moe_layer_freq``), and a
+``DeepseekV2MoE`` (router ``gate``, FusedMoE ``experts``, optional
+``shared_experts``) elsewhere. The FFN role builds exactly the module vLLM's
+decoder layer would build for each layer, with the same arguments, so
+parameter names match the checkpoint (``model.layers.N.mlp.*``).
+
+Attention role: the attention side keeps vLLM's MLA (or MHA) attention, norms,
+embeddings and LM head. A dense layer's proxy is also an instance of
+``DeepseekV2MLP`` (it builds none of its layers), so vLLM's decoder layer
+applies its own float16 overflow rescaling of dense-MLP outputs exactly as it
+does without AFD; MoE layers rescale inside ``DeepseekV2MoE`` on the FFN role.
+
+FFN role: checkpoint names are mapped onto vLLM's fused parameters
+(``gate_proj``/``up_proj`` -> ``gate_up_proj`` for dense MLPs and shared
+experts); routed-expert weights go to vLLM's FusedMoE loader. MTP
+(``num_nextn_predict_layers``) weights are never FFN weights: both roles leave
+them to vLLM, which skips them for the main model. FusedMoE looks itself up in
+vLLM's forward context, so FFN calls run inside one.
+
+Limits (besides those of ``common``): no sequence-parallel MoE
+(``use_sequence_parallel_moe``), no ROCm AITER fused shared experts, no EPLB or
+expert parallelism; DeepSeek-V3.2 (sparse attention indexer) is not covered.
+The MoE bookkeeping vLLM reads (``moe_layers``, ``num_moe_layers``, expert
+counts) describes the FFN role's experts; the attention role reports none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from vllm._aiter_ops import rocm_aiter_ops
+from vllm.model_executor.models.deepseek_v2 import (
+    DeepseekV2ForCausalLM,
+    DeepseekV2MLP,
+    DeepseekV2MoE,
+    DeepseekV3ForCausalLM,
+)
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    WeightsMapper,
+    get_spec_layer_idx_from_weight_name,
+)
+
+from afd_patches.models.common import ATTENTION, AfdCausalLMMixin, AfdFfnProxy
+
+# Checkpoint -> vLLM names of the FFN role's fused dense projections. Routed
+# experts (``mlp.experts.E.*``) do not match and go to FusedMoE's own loader.
+_FFN_STACKED = WeightsMapper(
+    orig_to_new_stacked={
+        ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+        ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+        ".shared_experts.gate_proj": (".shared_experts.gate_up_proj", 0),
+        ".shared_experts.up_proj": (".shared_experts.gate_up_proj", 1),
+    }
+)
+
+
+def is_moe_layer(config: Any, layer: int) -> bool:
+    """The condition under which vLLM's DeepSeek-V2 decoder layer builds a ``DeepseekV2MoE``."""
+    freq = getattr(config, "moe_layer_freq", 1)
+    return config.n_routed_experts is not None and layer >= config.first_k_dense_replace and layer % freq == 0
+
+
+class _DeepseekV2MLPType(DeepseekV2MLP):
+    """``DeepseekV2MLP`` as a type only: constructing it builds no layers and no parameters."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+
+
+class AfdDenseMlpProxy(AfdFfnProxy, _DeepseekV2MLPType):
+    """Attention-role proxy for a dense layer; an instance of ``DeepseekV2MLP`` for vLLM's type checks.
+
+    Behaves exactly like ``AfdFfnProxy`` (its ``forward`` comes first in the
+    MRO); the ``DeepseekV2MLP`` base only makes vLLM's decoder layer treat the
+    output as a dense MLP's (float16 rescaling).
+    """
+
+
+class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
+    """DeepSeek-V2 with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
+
+    afd_needs_forward_context = True
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if self.afd_role == ATTENTION:
+            self.moe_layers = []  # the experts live on the FFN role
+            self.moe_mlp_layers = []
+            self.num_moe_layers = 0
+            return
+        blocks = [getattr(layer, self.afd_ffn_attr) for layer in self._afd_layers()]
+        sparse = [b for b in blocks if isinstance(b, DeepseekV2MoE)]
+        if any(b.is_fused_shared_expert_enabled for b in sparse):
+            raise NotImplementedError("AFD DeepSeek FFN role: ROCm AITER fused shared experts are not supported")
+        self.moe_mlp_layers = sparse
+        self.moe_layers = [b.experts for b in sparse]
+        self.num_moe_layers = len(sparse)
+        self.num_expert_groups = getattr(self.config, "n_group", 1)
+        self.extract_moe_parameters(sparse[-1] if sparse else None)
+
+    # ---- attention role -------------------------------------------------
+    def _afd_install_proxies(self, vllm_config: Any) -> None:
+        """Install the proxies; dense layers get ``AfdDenseMlpProxy`` (see the module docstring)."""
+        layers = self._afd_layers()
+        if any(getattr(layer, "use_sequence_parallel_moe", False) for layer in layers):
+            raise ValueError("AFD DeepSeek: sequence-parallel MoE (use_sequence_parallel_moe) is not supported")
+        dense = [isinstance(getattr(layer, self.afd_ffn_attr, None), DeepseekV2MLP) for layer in layers]
+        super()._afd_install_proxies(vllm_config)
+        for idx, layer in enumerate(layers):
+            if dense[idx]:
+                setattr(layer, self.afd_ffn_attr, AfdDenseMlpProxy(self._afd_link, idx))
+
+    # ---- FFN role -------------------------------------------------------
+    def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
+        config = vllm_config.model_config.hf_config
+        if is_moe_layer(config, layer):
+            return DeepseekV2MoE(
+                config=config,
+                parallel_config=vllm_config.parallel_config,
+                quant_config=vllm_config.quant_config,
+                prefix=prefix,
+                apply_routed_scale_to_output=not rocm_aiter_ops.is_fused_moe_enabled(),
+            )
+        return DeepseekV2MLP(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            quant_config=vllm_config.quant_config,
+            prefix=prefix,
+        )
+
+    def afd_is_ffn_weight(self, name: str) -> bool:
+        """A decoder layer's ``mlp.*`` tensor, excluding MTP (next-token-prediction) layers."""
+        return super().afd_is_ffn_weight(name) and get_spec_layer_idx_from_weight_name(self.config, name) is None
+
+    def afd_load_ffn_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """vLLM's AutoWeightsLoader with the dense/shared-expert ``gate_up_proj`` stacking."""
+        return AutoWeightsLoader(self).load_weights(weights, mapper=_FFN_STACKED)
+
+
+class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM, DeepseekV3ForCausalLM):
+    """DeepSeek-V3 with AFD; vLLM's ``DeepseekV3ForCausalLM`` is its V2 class under another name."""
