@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from patchkit.records import Record
 
 FieldPath = tuple[str | int, ...]
 
@@ -20,9 +20,11 @@ def field_name(path: FieldPath) -> str:
     return out
 
 
-class Problem(NamedTuple):
-    """One finding in one manifest file."""
+class Problem(Record):
+    """One finding in one manifest file: ``Problem(file, line, field, message)``."""
 
+    _fields = ("file", "line", "field", "message")
+    __slots__ = _fields
     file: str
     line: int
     field: str

@@ -19,34 +19,43 @@ from __future__ import annotations
 import json
 import pathlib
 from functools import cache
-from typing import Any, NamedTuple
+from typing import Any, ClassVar
 
 from patchkit import resources
 from patchkit.errors import FieldPath, ManifestError, Problem, field_name
+from patchkit.records import Record
 
 WORKERS_ENTRY_ID = "workers"
 
 
-class Entry(NamedTuple):
+class Entry(Record):
     """One monkey-patch (ops replace / wrap / set) or the worker override (op workers)."""
 
+    _fields = ("id", "target", "op", "line", "with_", "value", "has_value", "fingerprint", "after", "when",
+               "rebind", "on_drift", "required", "why", "upstream", "retire_when", "workers")
+    __slots__ = _fields
+    _defaults: ClassVar[dict[str, Any]] = {
+        "with_": None, "value": None, "has_value": False, "fingerprint": None, "after": (), "when": {},
+        "rebind": "auto", "on_drift": "fail", "required": True, "why": "", "upstream": None, "retire_when": {},
+        "workers": None,  # op == "workers": {"role_of": ref, "overrides": [...]}
+    }
     id: str
     target: str
     op: str
     line: int
-    with_: str | None = None
-    value: Any = None
-    has_value: bool = False
-    fingerprint: str | None = None
-    after: tuple[str, ...] = ()
-    when: dict[str, Any] = {}  # noqa: RUF012 - records are never mutated
-    rebind: str | tuple[str, ...] = "auto"
-    on_drift: str = "fail"
-    required: bool = True
-    why: str = ""
-    upstream: str | None = None
-    retire_when: dict[str, Any] = {}  # noqa: RUF012
-    workers: dict[str, Any] | None = None  # op == "workers": {"role_of": ref, "overrides": [...]}
+    with_: str | None
+    value: Any
+    has_value: bool
+    fingerprint: str | None
+    after: tuple[str, ...]
+    when: dict[str, Any]
+    rebind: str | tuple[str, ...]
+    on_drift: str
+    required: bool
+    why: str
+    upstream: str | None
+    retire_when: dict[str, Any]
+    workers: dict[str, Any] | None
 
     @property
     def module(self) -> str:
@@ -57,14 +66,20 @@ class Entry(NamedTuple):
         return self.target.partition(":")[2]
 
 
-class ModelRegistration(NamedTuple):
+class ModelRegistration(Record):
+    _fields = ("arch", "class_ref", "line", "when")
+    __slots__ = _fields
+    _defaults: ClassVar[dict[str, Any]] = {"when": {}}
     arch: str
     class_ref: str
     line: int
-    when: dict[str, Any] = {}  # noqa: RUF012
+    when: dict[str, Any]
 
 
-class Manifest(NamedTuple):
+class Manifest(Record):
+    _fields = ("file", "plugin", "packages", "vllm_version", "vllm_commit", "fallback", "entries", "models",
+               "digest")
+    __slots__ = _fields
     file: str
     plugin: str
     packages: tuple[str, ...]

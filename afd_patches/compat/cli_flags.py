@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from afd_patches import CONFIG_KEY
@@ -53,16 +52,23 @@ class AfdCliError(AfdConfigError):
     """A ``--afd-*`` flag that clashes with ``--additional-config``; the message names both."""
 
 
-@dataclass(frozen=True)
 class Flag:
-    """One ``--afd-*`` flag and the ``additional_config["afd"]`` key it sets."""
+    """One ``--afd-*`` flag and the ``additional_config["afd"]`` key it sets.
 
-    option: str
-    key: str
-    type: Callable[[str], Any]
-    help: str
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
+    A plain class: this module is imported in every vLLM process that loads the
+    plugin, and a dataclass would generate its methods with ``exec`` each time.
+    """
+
+    __slots__ = ("choices", "help", "key", "metavar", "option", "type")
+
+    def __init__(self, option: str, key: str, type: Callable[[str], Any], help: str,
+                 choices: tuple[str, ...] | None = None, metavar: str | None = None) -> None:
+        self.option = option
+        self.key = key
+        self.type = type
+        self.help = help
+        self.choices = choices
+        self.metavar = metavar
 
     @property
     def dest(self) -> str:
