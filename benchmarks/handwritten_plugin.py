@@ -1,0 +1,67 @@
+"""The same changes afd's 0.32 manifest makes, written by hand in plain Python (benchmark baseline).
+
+What a careful plugin author writes without patchkit: closures around the four
+``EngineArgs`` methods (descriptors kept), the worker override, and the model
+registrations. It has no fingerprints, no guards, no reports, no rollback. Model
+registration happens only if vLLM's registry module is already imported: without
+an import hook, plain Python would have to import it (about 2 s) to do better.
+Used by ``benchmarks/table.py``; not part of the plugin.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+MODELS = {
+    "AFDLlamaForCausalLM": "afd_patches.models.llama:AFDLlamaForCausalLM",
+    "AFDQwen3ForCausalLM": "afd_patches.models.qwen3:AFDQwen3ForCausalLM",
+    "AFDQwen3MoeForCausalLM": "afd_patches.models.qwen3_moe:AFDQwen3MoeForCausalLM",
+    "AFDDeepseekV2ForCausalLM": "afd_patches.models.deepseek_v2:AFDDeepseekV2ForCausalLM",
+    "AFDDeepseekV3ForCausalLM": "afd_patches.models.deepseek_v2:AFDDeepseekV3ForCausalLM",
+}
+WORKERS = {"attention": "afd_patches.workers.cpu.CpuAttentionWorker", "ffn": "afd_patches.workers.cpu.CpuFfnWorker"}
+_done = False
+
+
+def _register_models() -> None:
+    registry = sys.modules["vllm.model_executor.models.registry"].ModelRegistry
+    for arch, ref in MODELS.items():
+        registry.register_model(arch, ref)
+
+
+def register() -> None:
+    global _done
+    if _done:
+        return
+    _done = True
+    from vllm.engine.arg_utils import EngineArgs
+
+    from afd_patches.compat import cli_flags, engine_config
+    from afd_patches.config import role_of
+
+    create = EngineArgs.create_engine_config
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        was_auto = self.worker_cls == "auto"
+        config = engine_config.validate_afd_config(create, self, *args, **kwargs)
+        role = role_of(config)
+        if role is not None and was_auto:
+            config.parallel_config.worker_cls = WORKERS[role]
+        return config
+
+    add_cli_args = EngineArgs.add_cli_args  # a staticmethod, read through the class: a plain function
+
+    def add(parser: Any) -> Any:
+        return cli_flags.add_afd_cli_args(add_cli_args, parser)
+
+    from_cli_args = vars(EngineArgs)["from_cli_args"].__func__
+
+    def from_cli(cls: Any, args: Any) -> Any:
+        return cli_flags.afd_from_cli_args(from_cli_args, cls, args)
+
+    EngineArgs.create_engine_config = create_engine_config
+    EngineArgs.add_cli_args = staticmethod(add)
+    EngineArgs.from_cli_args = classmethod(from_cli)
+    if "vllm.model_executor.models.registry" in sys.modules:
+        _register_models()
