@@ -21,6 +21,12 @@ def manifest_dir() -> Path:
     return packaged if packaged.is_dir() else _PACKAGE_DIR.parent / "manifests" / "afd"
 
 
+def config_schema() -> Path:
+    """``afd-config.schema.json`` (inside the wheel, or ``schemas/`` in a checkout)."""
+    packaged = _PACKAGE_DIR / "_schemas"
+    return (packaged if packaged.is_dir() else _PACKAGE_DIR.parent / "schemas") / "afd-config.schema.json"
+
+
 def register_afd() -> None:
     """vLLM general-plugin hook: apply the manifest for the running vLLM (idempotent, never raises).
 

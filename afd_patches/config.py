@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from typing import Any
 
-from afd_patches import CONFIG_KEY
-from patchkit.resources import schema_path
+from afd_patches import CONFIG_KEY, config_schema
 
 ALIASES = {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
 
@@ -46,7 +45,7 @@ class AfdConfig:
 def _validator() -> Any:
     import jsonschema
 
-    return jsonschema.Draft202012Validator(json.loads(schema_path("afd-config.schema.json").read_text()))
+    return jsonschema.Draft202012Validator(json.loads(config_schema().read_text()))
 
 
 def _fail(key: str, message: str) -> AfdConfigError:

@@ -27,37 +27,9 @@ from typing import Any
 
 from patchkit import resources
 from patchkit.errors import ManifestError, UnsupportedRelease
-from patchkit.manifest import Manifest
-from patchkit.planning import Runtime, order, python_tag, select, static_verdict, supported
+from patchkit.planning import Compiled, Runtime, python_tag
 
 FORMAT = "patchkit-plan-3"
-
-
-class Compiled:
-    """What the hook needs: the selected manifest (or why there is none) and the plan order."""
-
-    __slots__ = ("digest", "error", "manifest", "order", "static", "supported")
-
-    def __init__(self, manifest: Manifest | None, order: list[str], static: dict[str, str | None],
-                 supported: str, error: str | None, digest: str) -> None:
-        self.manifest = manifest
-        self.order = order
-        self.static = static
-        self.supported = supported
-        self.error = error
-        self.digest = digest
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "manifest": self.manifest.to_json() if self.manifest else None,
-            "order": self.order, "static": self.static, "supported": self.supported,
-            "error": self.error, "digest": self.digest,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Compiled:
-        manifest = Manifest.from_json(data["manifest"]) if data["manifest"] else None
-        return cls(manifest, data["order"], data["static"], data["supported"], data["error"], data["digest"])
 
 
 def cache_dir() -> Path:
@@ -68,7 +40,13 @@ def cache_dir() -> Path:
 
 
 def manifest_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*.yaml") if p.is_file())
+    """The ``*.yaml`` files directly in ``directory``, sorted by name."""
+    try:
+        with os.scandir(directory) as it:
+            names = sorted(e.name for e in it if e.name.endswith(".yaml") and e.is_file())
+    except OSError:
+        return []
+    return [directory / n for n in names]
 
 
 def _key(files: list[Path], runtime: Runtime) -> str:
@@ -84,6 +62,7 @@ def _key(files: list[Path], runtime: Runtime) -> str:
 def compile_plan(files: list[Path], runtime: Runtime) -> Compiled:
     """Validate every manifest (ManifestError on any problem) and select/order for ``runtime``."""
     from patchkit import manifest as manifest_module
+    from patchkit.planning import order, select, static_verdict, supported
 
     manifests = []
     problems = []

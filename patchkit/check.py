@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from patchkit.errors import ManifestError
-from patchkit.manifest import Entry, Manifest
+from patchkit.planning import Entry, Manifest
 from patchkit.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
 
 FORMATS = ("text", "markdown", "json")

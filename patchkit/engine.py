@@ -33,11 +33,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from patchkit import fingerprint, importhook
-from patchkit.cache import Compiled, FingerprintCache
+from patchkit import importhook
+from patchkit.cache import FingerprintCache
 from patchkit.errors import PatchError
-from patchkit.manifest import Entry, Manifest
-from patchkit.planning import Runtime, runtime_verdict
+from patchkit.planning import Compiled, Entry, Manifest, Runtime, runtime_verdict
 from patchkit.targets import Slot, TargetMissing, import_ref, unwrap_descriptor
 
 logger = logging.getLogger("patchkit")
@@ -270,7 +269,7 @@ class Run:
         self._probe(entry, slot, func)
         if entry.fingerprint and original is not _NOT_SET:
             actual = self._fingerprint_of(func)
-            verdict = fingerprint.compare(entry.fingerprint, actual)
+            verdict = "match" if actual == entry.fingerprint else _compare(entry.fingerprint, actual)
             record.fingerprint = verdict
             if verdict != "match":
                 self._drift(entry, f"{entry.target} {verdict} (pinned {entry.fingerprint}, found {actual})")
@@ -316,6 +315,8 @@ class Run:
         cached = self._fingerprints.get(key) if key else None
         if cached:
             return cached
+        from patchkit import fingerprint  # only when the cache has no fingerprint for this source
+
         value = fingerprint.of_object(func)
         if key and value:
             self._fingerprints.put(key, value)
@@ -409,6 +410,12 @@ class Run:
             "vllm": {"version": self.runtime.vllm_version, "commit": self.runtime.vllm_commit},
             "entries": [r.to_json() for r in self.records.values()],
         }
+
+
+def _compare(expected: str, actual: str | None) -> str:
+    from patchkit import fingerprint
+
+    return fingerprint.compare(expected, actual)
 
 
 def _undo(record: Record) -> None:

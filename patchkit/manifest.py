@@ -19,94 +19,11 @@ from __future__ import annotations
 import json
 import pathlib
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any
 
 from patchkit import resources
 from patchkit.errors import FieldPath, ManifestError, Problem, field_name
-from patchkit.records import Record
-
-WORKERS_ENTRY_ID = "workers"
-
-
-class Entry(Record):
-    """One monkey-patch (ops replace / wrap / set) or the worker override (op workers)."""
-
-    _fields = ("id", "target", "op", "line", "with_", "value", "has_value", "fingerprint", "after", "when",
-               "rebind", "on_drift", "required", "why", "upstream", "retire_when", "workers")
-    __slots__ = _fields
-    _defaults: ClassVar[dict[str, Any]] = {
-        "with_": None, "value": None, "has_value": False, "fingerprint": None, "after": (), "when": {},
-        "rebind": "auto", "on_drift": "fail", "required": True, "why": "", "upstream": None, "retire_when": {},
-        "workers": None,  # op == "workers": {"role_of": ref, "overrides": [...]}
-    }
-    id: str
-    target: str
-    op: str
-    line: int
-    with_: str | None
-    value: Any
-    has_value: bool
-    fingerprint: str | None
-    after: tuple[str, ...]
-    when: dict[str, Any]
-    rebind: str | tuple[str, ...]
-    on_drift: str
-    required: bool
-    why: str
-    upstream: str | None
-    retire_when: dict[str, Any]
-    workers: dict[str, Any] | None
-
-    @property
-    def module(self) -> str:
-        return self.target.partition(":")[0]
-
-    @property
-    def qualname(self) -> str:
-        return self.target.partition(":")[2]
-
-
-class ModelRegistration(Record):
-    _fields = ("arch", "class_ref", "line", "when")
-    __slots__ = _fields
-    _defaults: ClassVar[dict[str, Any]] = {"when": {}}
-    arch: str
-    class_ref: str
-    line: int
-    when: dict[str, Any]
-
-
-class Manifest(Record):
-    _fields = ("file", "plugin", "packages", "vllm_version", "vllm_commit", "fallback", "entries", "models",
-               "digest")
-    __slots__ = _fields
-    file: str
-    plugin: str
-    packages: tuple[str, ...]
-    vllm_version: str
-    vllm_commit: str | None
-    fallback: bool
-    entries: tuple[Entry, ...]
-    models: tuple[ModelRegistration, ...]
-    digest: str
-
-    def to_json(self) -> dict[str, Any]:
-        data = self._asdict()
-        data["entries"] = [e._asdict() for e in self.entries]
-        data["models"] = [m._asdict() for m in self.models]
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Manifest:
-        entries = []
-        for e in data["entries"]:
-            e = dict(e)
-            e["after"] = tuple(e["after"])
-            if isinstance(e["rebind"], list):
-                e["rebind"] = tuple(e["rebind"])
-            entries.append(Entry(**e))
-        models = tuple(ModelRegistration(**m) for m in data["models"])
-        return cls(**{**data, "packages": tuple(data["packages"]), "entries": tuple(entries), "models": models})
+from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
 
 
 @cache

@@ -63,8 +63,7 @@ import yaml
 from patchkit import manifest as manifest_mod
 from patchkit.check import EntryCheck, check_entries
 from patchkit.errors import ManifestError, PatchkitError
-from patchkit.manifest import WORKERS_ENTRY_ID, Manifest
-from patchkit.planning import normalize_commit
+from patchkit.planning import WORKERS_ENTRY_ID, Manifest, normalize_commit
 from patchkit.static import SourceTree, TreeError, open_tree
 
 REVIEW_MARK = "# REVIEW:"

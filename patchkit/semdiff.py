@@ -39,8 +39,7 @@ from typing import Any
 
 from patchkit import fingerprint, manifest
 from patchkit.errors import ManifestError
-from patchkit.manifest import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
-from patchkit.planning import order
+from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration, order
 
 FORMATS = ("text", "markdown", "json")
 _ENTRY_FIELDS = ("target", "op", "with", "value", "when", "after", "fingerprint", "rebind", "on_drift",

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import patchkit
 from afd_patches import CONFIG_KEY
 
 
@@ -15,6 +14,8 @@ class AfdUnavailable(RuntimeError):
 
 def require_active_plan() -> None:
     """Raise AfdUnavailable unless a pinned afd manifest is active in this process."""
+    import patchkit  # public API only, and only runs that ask for AFD get here
+
     status = patchkit.status("afd")
     if status is None:
         raise AfdUnavailable("the afd plugin did not run in this process (is VLLM_PLUGINS excluding 'afd'?)")

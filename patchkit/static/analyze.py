@@ -22,7 +22,7 @@ import ast
 from dataclasses import dataclass, field
 
 from patchkit import fingerprint, rebind
-from patchkit.manifest import Entry
+from patchkit.planning import Entry
 from patchkit.static.resolve import Definition, Override, Resolver
 from patchkit.static.sites import AliasSite, alias_sites
 
