@@ -10,13 +10,19 @@ Every message carries ``Meta`` (layer, step, shape, dtype), so a mismatch
 between the roles is detected instead of silently mixing tensors. Every receive
 waits at most ``timeout_s`` and then raises ``ConnectorTimeout`` naming the
 peer; a peer that closed raises ``ConnectorClosed``.
+
+Before the roles exchange anything, ``init()`` checks that both sides were
+configured alike (rank counts, transport settings, and the model identity the
+creator passed as ``identity``); a difference raises ``ConnectorMismatch`` on
+both sides, naming the field and both values.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +42,10 @@ class ConnectorClosed(ConnectorError):
     """The peer shut down (normal end of an FFN loop)."""
 
 
+class ConnectorMismatch(ConnectorError):
+    """The two sides were configured differently; the message names each field and both values."""
+
+
 @dataclass(frozen=True)
 class Meta:
     layer: int
@@ -45,10 +55,17 @@ class Meta:
 
 
 class Connector(ABC):
-    """One endpoint. Built from the AFD config; ``init()`` connects, ``close()`` releases."""
+    """One endpoint. Built from the AFD config; ``init()`` connects, ``close()`` releases.
 
-    def __init__(self, config: AfdConfig) -> None:
+    ``identity`` describes the model this side runs (JSON values, e.g.
+    ``architecture``, ``num_hidden_layers``, ``hidden_size``, ``dtype``; see
+    ``afd_patches.workers.common.model_identity``). Connectors compare it with
+    the peer's in ``init()``: keys both sides supplied must be equal.
+    """
+
+    def __init__(self, config: AfdConfig, identity: Mapping[str, Any] | None = None) -> None:
         self.config = config
+        self.identity: dict[str, Any] = dict(identity or {})
         self.messages_sent = 0
         self.messages_received = 0
 

@@ -8,6 +8,20 @@ Group
     ``afd_patches.topology``): global rank 0 is FFN rank 0 and hosts the store.
     Only the group's own ``send``/``recv`` are used.
 
+Handshake
+    Before the group forms, every rank says hello to FFN rank 0 on a plain
+    socket at ``host:port`` (``afd_patches.connectors.handshake``) and both
+    compare ``num_attention_ranks``, ``num_ffn_ranks``, ``backend``,
+    ``inline_bytes`` and the creator's model identity (``model.*``). A
+    difference raises ``ConnectorMismatch`` on both sides, naming the field and
+    both values, so ranks that disagree on the world size never reach torch's
+    rendezvous. FFN rank 0 then hands its listening socket to the group's
+    ``TCPStore`` (``multi_tenant``, so vLLM's helper reuses that server). A
+    port already taken by another program fails FFN rank 0 at once
+    (``ConnectorError`` naming ``host:port``, "in use"); a joining rank that
+    reaches another program fails within ``timeout_s`` naming ``host:port``
+    instead of waiting in a ``TCPStore`` client, which would never return.
+
 Backend
     ``connector_extra_config["backend"]`` if given, else ``"nccl"`` when CUDA
     is available and ``"gloo"`` otherwise. Messages travel on the backend's
@@ -72,9 +86,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from afd_patches import topology
+from afd_patches.connectors import handshake
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout, Meta
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from afd_patches.config import AfdConfig
 
 MAGIC = 0xAFD0_0001
@@ -164,8 +181,8 @@ def decode_header(message: torch.Tensor) -> Header:
 class TorchDistConnector(Connector):
     """One AFD endpoint (attention or FFN rank) on a standalone torch.distributed group."""
 
-    def __init__(self, config: AfdConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: AfdConfig, identity: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config, identity)
         a, f = config.num_attention_ranks, config.num_ffn_ranks
         try:
             topology.validate(a, f)
@@ -203,6 +220,7 @@ class TorchDistConnector(Connector):
                 f"connector_extra_config.inline_bytes={self.inline_bytes}: must be >= 0, and 0 unless backend is gloo"
             )
         self._pg: Any = None
+        self._store: Any = None  # FFN rank 0: the TCPStore that took over the handshake's listening socket
         self._pending: list[tuple[Any, torch.Tensor, int, str]] = []  # (work, tensor kept alive, peer, what)
         self._closed_peers: set[int] = set()
         self._broken: str | None = None
@@ -222,12 +240,19 @@ class TorchDistConnector(Connector):
 
     # ----------------------------------------------------------- lifecycle
     def init(self) -> None:
-        """Form the group; fail within about ``timeout_s`` naming host and port."""
+        """Handshake, then form the group; fail within about ``timeout_s`` naming host and port.
+
+        ``ConnectorMismatch`` when the peers' settings differ (see "Handshake"),
+        ``ConnectorTimeout`` when a peer did not show up in time, else
+        ``ConnectorError``.
+        """
         if self._pg is not None:
             return
         deadline = time.monotonic() + self.timeout_s
-        if self.global_rank != 0:
-            self._wait_for_store(deadline)
+        if self.global_rank == 0:
+            self._host_handshake(deadline)
+        else:
+            handshake.join(self.config.host, self.config.port, self._hello(), deadline, self.timeout_s)
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         remaining = max(deadline - time.monotonic(), 1.0)
@@ -245,6 +270,7 @@ class TorchDistConnector(Connector):
                 **kwargs,
             )
         except Exception as e:  # torch raises several unrelated types here
+            self._store = None
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
             cls = ConnectorTimeout if "time" in text.lower() else ConnectorError
             raise cls(
@@ -252,23 +278,43 @@ class TorchDistConnector(Connector):
                 f"{self.world_size} ranks at {self.address} within {self.timeout_s:g}s ({type(e).__name__}: {text})"
             ) from e
 
-    def _wait_for_store(self, deadline: float) -> None:
-        """Poll until the store (hosted by FFN rank 0) accepts connections; torch's own retry overshoots."""
-        last: OSError | None = None
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ConnectorTimeout(
-                    f"AFD connector init failed for {self._me()}: nothing accepted a connection at {self.address} "
-                    f"within {self.timeout_s:g}s; is FFN rank 0 (which hosts the group's store) running there? "
-                    f"(last error: {last})"
-                )
-            try:
-                with socket.create_connection((self.config.host, self.config.port), timeout=min(left, 1.0)):
-                    return
-            except OSError as e:
-                last = e
-                time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
+    def _hello(self) -> handshake.Hello:
+        """What this rank tells its peers before the group forms (the fields both sides compare)."""
+        fields: dict[str, Any] = {
+            "num_attention_ranks": self.config.num_attention_ranks,
+            "num_ffn_ranks": self.config.num_ffn_ranks,
+            "backend": self.backend,
+            "inline_bytes": self.inline_bytes,
+        }
+        fields.update(handshake.model_fields(self.identity))
+        return handshake.Hello(self.role, self.config.rank, fields)
+
+    def _host_handshake(self, deadline: float) -> None:
+        """FFN rank 0: collect every rank's hello, start the group's store on the same socket, say ok."""
+        a, f = self.config.num_attention_ranks, self.config.num_ffn_ranks
+        expected = {topology.role_of_global(g, a, f) for g in range(1, self.world_size)}
+        listener = handshake.listen(self.config.host, self.config.port)
+        try:
+            joiners = handshake.collect(listener, self._hello(), expected, deadline, self.address, self.timeout_s)
+        except BaseException:
+            listener.close()
+            raise
+        from torch.distributed import TCPStore
+
+        fd = listener.detach()  # the store owns the listening socket from here on
+        try:
+            # multi_tenant: the rendezvous inside vLLM's helper finds this server by its port and reuses it.
+            self._store = TCPStore(
+                self.config.host, self.config.port, None, True,
+                timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
+                wait_for_workers=False, multi_tenant=True, master_listen_fd=fd,
+            )
+        except Exception as e:
+            socket.close(fd)
+            message = f"AFD {self._me()}: could not start the group's store at {self.address}: {e}"
+            handshake.refuse(joiners, "error", message)
+            raise ConnectorError(message) from e
+        handshake.accept_all(joiners)
 
     def close(self) -> None:
         """Tell every still-open peer ``CLOSE`` (bounded wait), then shut the group down. Idempotent."""
@@ -294,6 +340,7 @@ class TorchDistConnector(Connector):
         finally:
             self._pending.clear()
             self._broken = self._broken or "closed"
+            self._store = None
             try:
                 pg.shutdown()
             except RuntimeError:
@@ -316,6 +363,12 @@ class TorchDistConnector(Connector):
             self._broken = f"timed out waiting for {what} from/to {self._describe(peer)}"
             return ConnectorTimeout(
                 f"AFD {self._me()}: no {what} from/to {self._describe(peer)} within {timeout_s:g}s ({text})"
+            )
+        if any(word in low for word in ("closed", "reset by peer", "broken pipe")):
+            self._broken = f"lost {self._describe(peer)}"
+            return ConnectorError(
+                f"AFD {self._me()}: lost {self._describe(peer)} during {what}: its connection closed, so the peer "
+                f"crashed or exited ({type(err).__name__}: {text})"
             )
         self._broken = f"connection to {self._describe(peer)} failed"
         return ConnectorError(

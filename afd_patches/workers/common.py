@@ -11,7 +11,12 @@ caching off, no warm-up forwards, never runs ``execute_model``. After the model
 is loaded a daemon thread connects and serves: receive one layer's hidden
 states from every attention rank it serves, run that layer's FFN once on all of
 them, send each rank its slice. It stops on ``ConnectorClosed`` (the attention
-side shut down) or ``shutdown()``.
+side shut down) or ``shutdown()``, and on any other connector error (a lost
+peer, a peer silent past a timeout, a handshake mismatch): that one is logged
+as a single ``AFD FFN serve loop stopped: …`` line naming the peer and is
+re-raised by ``afd_wait()``, so an FFN process blocked there ends. An idle but
+connected attention engine ends nothing. The connector is unusable after such
+an error; the engine does not reconnect.
 
 Both expose, through ``collective_rpc``: ``afd_stats()`` (role, steps,
 messages, KV cache bytes, parameter names of FFN/attention kind) and, on the FFN
@@ -30,7 +35,9 @@ Limits: one connector per worker (no TP/PP inside a role); the FFN loop serves
 one layer message at a time (no micro-batch overlap); idle ticks cost empty
 exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
 attention rank that shuts down counts as idle from then on; the FFN rank's loop
-ends when every rank it serves has shut down.
+ends when every rank it serves has shut down. Only ``afd_wait()`` turns a
+stopped loop into an exit: an FFN engine behind vLLM's API server, where nobody
+calls it, stays up with a stopped loop.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import torch
 
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import REGISTRY
-from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorTimeout
+from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout
 from afd_patches.models.common import afd_config_of
 
 logger = logging.getLogger("afd")
@@ -53,12 +60,30 @@ logger = logging.getLogger("afd")
 IDLE_TICK_S = 0.02
 
 
-def build_connector(cfg: AfdConfig) -> Connector:
-    """Instantiate (not yet ``init()``) the connector named by ``cfg.connector``."""
+def model_identity(vllm_config: Any) -> dict[str, Any]:
+    """What both roles must agree on about the model: architecture, layer count, hidden size, dtype.
+
+    Read from vLLM's model config (after ``hf_overrides``), so it costs nothing
+    and is the same on both roles for the same checkpoint and settings. A value
+    vLLM does not expose is ``None`` and is then not compared.
+    """
+    mc = vllm_config.model_config
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    archs = list(getattr(mc, "architectures", None) or getattr(hf, "architectures", None) or [])
+    return {
+        "architecture": archs[0] if archs else None,
+        "num_hidden_layers": getattr(hf, "num_hidden_layers", None),
+        "hidden_size": getattr(hf, "hidden_size", None),
+        "dtype": str(getattr(mc, "dtype", "")).removeprefix("torch.") or None,
+    }
+
+
+def build_connector(cfg: AfdConfig, identity: dict[str, Any] | None = None) -> Connector:
+    """Instantiate (not yet ``init()``) the connector named by ``cfg.connector``, with the model's identity."""
     ref = REGISTRY[cfg.connector]
     module, _, name = ref.partition(":")
     cls = getattr(importlib.import_module(module), name)
-    return cls(cfg)  # type: ignore[no-any-return]
+    return cls(cfg, identity=identity)  # type: ignore[no-any-return]
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -115,7 +140,7 @@ class AttentionRoleMixin(_RoleBase):
             raise RuntimeError(
                 f"AFD attention role needs an AFD<Arch> model, got {type(model).__name__}; "
                 "select it with hf_overrides={'architectures': ['AFD<Arch>']}")
-        connector = build_connector(cfg)
+        connector = build_connector(cfg, model_identity(self.vllm_config))
         t0 = time.monotonic()
         connector.init()
         logger.info("AFD attention rank %d connected in %.1fs", cfg.rank, time.monotonic() - t0)
@@ -198,7 +223,7 @@ class FfnRoleMixin(_RoleBase):
         model = self._afd_model()
         if not hasattr(model, "afd_ffn"):
             raise RuntimeError(f"AFD FFN role needs an AFD<Arch> model, got {type(model).__name__}")
-        self._afd_connector = build_connector(cfg)
+        self._afd_connector = build_connector(cfg, model_identity(self.vllm_config))
         self._afd_thread = threading.Thread(target=self._afd_serve, name=f"afd-ffn-{cfg.rank}", daemon=True)
         self._afd_thread.start()
 
@@ -226,6 +251,9 @@ class FfnRoleMixin(_RoleBase):
                 self._afd_batches += 1
         except ConnectorClosed:
             pass
+        except ConnectorError as e:  # a lost or silent peer, a mismatch: the message says which; no traceback
+            logger.error("AFD FFN serve loop stopped: %s", e)
+            self._afd_error = e
         except BaseException as e:  # surfaced by afd_wait()
             logger.exception("AFD FFN serve loop failed")
             self._afd_error = e

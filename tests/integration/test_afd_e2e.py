@@ -199,3 +199,67 @@ def test_ffn_killed_mid_generation_fails_attention_within_timeout(workdir: Path)
         print(f"attention failed {elapsed:.1f}s after the FFN was killed (timeout_s={timeout_s})")
     finally:
         kill([ffn[0]] + ([attn[0]] if attn else []))
+
+
+def _group_members(pgid: int) -> list[str]:
+    """Live (non-zombie) processes of process group ``pgid``, as ``"pid name status"``; [] when none."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    import psutil  # a vLLM dependency
+
+    members = []
+    for p in psutil.process_iter(["pid", "name", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(f"{p.pid} {p.info['name']} {p.info['status']}")
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
+def test_attention_killed_mid_generation_stops_ffn_engine(workdir: Path) -> None:
+    """Killing the attention engine mid-generation ends the FFN engine by itself, within a bound:
+    the process exits, its log names the lost attention peer, and nothing of its process group is left."""
+    family = "llama"
+    model, _ = _model_and_plain(workdir, family)
+    timeout_s = 15.0
+    afd = {**_afd(1), "timeout_s": timeout_s}
+    ready = workdir / "kill-attn-side-ready"
+    ready.unlink(missing_ok=True)
+    attn_spec = _spec("killed-attn", "attention", model, family, {**afd, "role": "attention"})
+    attn_spec.update(max_tokens=240, ready_flag=str(ready))
+    ffn = start(_spec("orphan-ffn", "ffn", model, family, {**afd, "role": "ffn"}), workdir)
+    pgid = ffn[0].pid  # start() gives every engine its own session, so its group id is its pid
+    attn = None
+    try:
+        time.sleep(1.0)
+        attn = start(attn_spec, workdir)
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        while not ready.exists():
+            assert attn[0].poll() is None, tail(attn[1])
+            assert ffn[0].poll() is None, tail(ffn[1])
+            assert time.monotonic() < deadline, "attention engine did not come up"
+            time.sleep(0.1)
+        time.sleep(1.0)  # generation of 3 x 240 tokens is under way
+        assert ffn[0].poll() is None, tail(ffn[1])
+        os.killpg(attn[0].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        try:
+            ffn[0].wait(timeout_s + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"FFN engine still running {timeout_s + 30}s after the attention engine was killed:\n"
+                        f"{tail(ffn[1])}")
+        elapsed = time.monotonic() - killed_at
+        gone_by = time.monotonic() + 10.0  # helpers the engine started (if any) get a moment to notice
+        while (left := _group_members(pgid)) and time.monotonic() < gone_by:
+            time.sleep(0.2)
+        assert not left, f"FFN process group {pgid} still has processes: {left}"
+        log = tail(ffn[1], 20000)
+        assert "AFD" in log and "attention rank 0" in log, log[-3000:]
+        assert "lost attention rank 0" in log, log[-3000:]
+        assert elapsed < timeout_s + 30, elapsed
+        print(f"FFN engine exited {ffn[0].returncode} {elapsed:.1f}s after the attention engine was killed")
+    finally:
+        kill([ffn[0]] + ([attn[0]] if attn else []))

@@ -14,6 +14,7 @@ import os
 import queue as queue_mod
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -149,9 +150,11 @@ def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0) -> None:
         )
 
 
-def init_only_worker(cfg: AfdConfig, queue: Any) -> None:
-    """``init()`` alone; report how it ended and how long it took."""
-    conn = TorchDistConnector(cfg)
+def init_only_worker(
+    cfg: AfdConfig, queue: Any, identity: dict[str, Any] | None = None, name: str | None = None
+) -> None:
+    """``init()`` alone (with the model ``identity``); report how it ended and how long it took."""
+    conn = TorchDistConnector(cfg, identity=identity)
     t0 = time.monotonic()
     try:
         conn.init()
@@ -160,7 +163,7 @@ def init_only_worker(cfg: AfdConfig, queue: Any) -> None:
         result = _error_fields(e)
     result["elapsed"] = time.monotonic() - t0
     conn.close()
-    _report(queue, f"{cfg.role}{cfg.rank}", **result)
+    _report(queue, name or f"{cfg.role}{cfg.rank}", **result)
 
 
 def silent_attention_worker(cfg: AfdConfig, queue: Any, silence_s: float) -> None:
@@ -259,6 +262,26 @@ def test_wrong_side_and_uninitialised() -> None:
         conn.send_attn_output(torch.zeros(1, HIDDEN), 0, 0)
     with pytest.raises(ConnectorError, match="unknown key"):
         TorchDistConnector(AfdConfig(role="ffn", connector_extra_config={"bakend": "gloo"}))
+
+
+def test_model_identity_and_hello_comparison() -> None:
+    """Workers hand their connector vLLM's model identity; unknown values are dropped, and only
+    fields both sides supplied are compared (a creator without an identity still connects)."""
+    from types import SimpleNamespace
+
+    from afd_patches.connectors.handshake import Hello, differences, model_fields
+    from afd_patches.workers.common import model_identity
+
+    hf = SimpleNamespace(num_hidden_layers=2, hidden_size=64, architectures=["LlamaForCausalLM"])
+    mc = SimpleNamespace(architectures=["AFDLlamaForCausalLM"], hf_text_config=hf, dtype=torch.bfloat16)
+    assert model_identity(SimpleNamespace(model_config=mc)) == {
+        "architecture": "AFDLlamaForCausalLM", "num_hidden_layers": 2, "hidden_size": 64, "dtype": "bfloat16"}
+    bare = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=SimpleNamespace(), dtype=torch.float32))
+    assert model_fields(model_identity(bare)) == {"model.dtype": "float32"}
+    ffn_hello = Hello("ffn", 0, {"num_ffn_ranks": 1, "model.hidden_size": 64})
+    assert differences(ffn_hello, Hello("attention", 0, {"num_ffn_ranks": 1})) == ""
+    assert differences(ffn_hello, Hello("attention", 1, {"num_ffn_ranks": 2, "model.hidden_size": 64})) == (
+        "num_ffn_ranks (ffn rank 0: 1, attention rank 1: 2)")
 
 
 # ----------------------------------------------------------------- multi-process
@@ -411,3 +434,164 @@ def test_ffn_idle_timeout_names_silent_attention_rank() -> None:
     assert res["error"] == "ConnectorTimeout", res
     assert "attention rank 0" in res["message"] and f"127.0.0.1:{port}" in res["message"], res["message"]
     assert elapsed < idle_s + SLACK_S, elapsed
+
+
+# ------------------------------------------------------------------------ handshake
+@pytest.mark.parametrize(
+    ("ffn_af", "attn_af", "field"),
+    [((1, 1), (2, 1), "num_attention_ranks"), ((2, 2), (2, 1), "num_ffn_ranks")],
+)
+def test_handshake_rank_counts_differ_both_sides_fail_naming_both_values(
+    ffn_af: tuple[int, int], attn_af: tuple[int, int], field: str
+) -> None:
+    """Different A/F counts (so different world sizes) fail in the handshake, at once, on both sides.
+
+    ``timeout_s`` is long: an answer within seconds shows nothing waited for a timeout or for torch.
+    """
+    port, timeout_s = free_port(), 20.0
+    queue = _CTX.Queue()
+    (fa, ff), (aa, af) = ffn_af, attn_af
+    procs = [
+        start(init_only_worker, make_config("ffn", 0, port, a=fa, f=ff, timeout_s=timeout_s), queue),
+        start(init_only_worker, make_config("attention", 0, port, a=aa, f=af, timeout_s=timeout_s), queue),
+    ]
+    got = collect(queue, {"ffn0", "attention0"}, 30)
+    _join_all(procs, 10)
+    fv, av = (fa, aa) if field == "num_attention_ranks" else (ff, af)
+    expected = {
+        "ffn0": f"{field} (ffn rank 0: {fv}, attention rank 0: {av})",
+        "attention0": f"{field} (attention rank 0: {av}, ffn rank 0: {fv})",
+    }
+    for name, words in expected.items():
+        res = got[name]
+        print(name, f"{res['elapsed']:.2f}s", res.get("message"))
+        assert res["error"] == "ConnectorMismatch", res
+        assert words in res["message"] and f"127.0.0.1:{port}" in res["message"], res["message"]
+        assert res["elapsed"] < 2 * SLACK_S, res
+
+
+LLAMA = {"architecture": "AFDLlamaForCausalLM", "num_hidden_layers": 2, "hidden_size": 64, "dtype": "float32"}
+
+
+@pytest.mark.parametrize(
+    "diffs",
+    [
+        {},
+        {"hidden_size": 128},
+        {"architecture": "AFDQwen3ForCausalLM", "dtype": "bfloat16"},
+    ],
+    ids=["same", "hidden_size", "arch_and_dtype"],
+)
+def test_handshake_model_identity(diffs: dict[str, Any]) -> None:
+    """Same model: the group forms. A different model: both sides fail naming every differing field."""
+    port, timeout_s = free_port(), 20.0
+    queue = _CTX.Queue()
+    procs = [
+        start(init_only_worker, make_config("ffn", 0, port, timeout_s=timeout_s), queue, LLAMA),
+        start(init_only_worker, make_config("attention", 0, port, timeout_s=timeout_s), queue, {**LLAMA, **diffs}),
+    ]
+    got = collect(queue, {"ffn0", "attention0"}, 30)
+    _join_all(procs, 10)
+    for name, res in got.items():
+        print(name, f"{res['elapsed']:.2f}s", res.get("message"))
+        assert res["elapsed"] < 2 * SLACK_S, res
+        assert res["error"] == ("ConnectorMismatch" if diffs else None), res
+    for key, av in diffs.items():
+        fv = LLAMA[key]
+        assert f"model.{key} (ffn rank 0: {fv!r}, attention rank 0: {av!r})" in got["ffn0"]["message"]
+        assert f"model.{key} (attention rank 0: {av!r}, ffn rank 0: {fv!r})" in got["attention0"]["message"]
+
+
+def test_handshake_rank_claimed_twice_fails_every_rank() -> None:
+    """2A1F with two processes configured as attention rank 0: the FFN refuses, and all three say why."""
+    port, timeout_s = free_port(), 20.0
+    queue = _CTX.Queue()
+    procs = [start(init_only_worker, make_config("ffn", 0, port, a=2, timeout_s=timeout_s), queue)]
+    procs += [start(init_only_worker, make_config("attention", 0, port, a=2, timeout_s=timeout_s), queue, None,
+                    f"attention0-{i}") for i in range(2)]
+    got = collect(queue, {"ffn0", "attention0-0", "attention0-1"}, 30)
+    _join_all(procs, 10)
+    for name, res in got.items():
+        print(name, f"{res['elapsed']:.2f}s", res.get("message"))
+        assert res["error"] == "ConnectorMismatch", res
+        assert "two processes claim to be attention rank 0" in res["message"], res["message"]
+        assert res["elapsed"] < 2 * SLACK_S, res
+
+
+def _other_program(port: int, talks: bool) -> tuple[socket.socket, threading.Event]:
+    """A plain socket listening on ``port``; if ``talks``, it answers every connection like an HTTP server."""
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", port))
+    blocker.listen()
+    stop = threading.Event()
+
+    def serve() -> None:
+        blocker.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = blocker.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+    if talks:
+        threading.Thread(target=serve, daemon=True).start()
+    return blocker, stop
+
+
+@pytest.mark.parametrize("talks", [False, True], ids=["silent", "http"])
+def test_port_in_use_by_another_program(talks: bool) -> None:
+    """FFN rank 0 fails at once ("in use", host:port); attention does not mistake the program for its peer.
+
+    Silent program: the attention side gets no answer and gives up after ``timeout_s`` (a torch
+    TCPStore client would wait forever there). Talking program: it fails as soon as it reads the answer.
+    """
+    port, timeout_s = free_port(), 3.0
+    blocker, stop = _other_program(port, talks)
+    queue = _CTX.Queue()
+    try:
+        procs = [
+            start(init_only_worker, make_config("ffn", 0, port, timeout_s=20.0), queue),
+            start(init_only_worker, make_config("attention", 0, port, timeout_s=timeout_s), queue),
+        ]
+        got = collect(queue, {"ffn0", "attention0"}, timeout_s + 4 * SLACK_S)
+        _join_all(procs, 10)
+    finally:
+        stop.set()
+        blocker.close()
+    for name, res in got.items():
+        print(name, f"{res['elapsed']:.2f}s", res.get("message"))
+        assert f"127.0.0.1:{port}" in res["message"], res
+    f, a = got["ffn0"], got["attention0"]
+    assert f["error"] == "ConnectorError" and "already in use" in f["message"], f
+    assert f["elapsed"] < 1.0, f
+    if talks:
+        assert a["error"] == "ConnectorError" and "not an AFD FFN rank 0" in a["message"], a
+        assert a["elapsed"] < SLACK_S, a
+    else:
+        assert a["error"] == "ConnectorTimeout" and "another program" in a["message"], a
+        assert timeout_s - 0.5 < a["elapsed"] < timeout_s + SLACK_S, a
+
+
+def test_attention_killed_while_ffn_waits_idle_is_noticed_at_once() -> None:
+    """An idle but live attention rank keeps the FFN waiting; once it is killed, the FFN's idle wait
+    (a week by default) ends at once with an error naming the lost rank and the group."""
+    port = free_port()
+    queue = _CTX.Queue()
+    procs = [
+        start(ffn_worker, make_config("ffn", 0, port), queue),
+        start(silent_attention_worker, make_config("attention", 0, port), queue, 60.0),
+    ]
+    collect(queue, {"attention-joined"}, 30)
+    with pytest.raises(queue_mod.Empty):
+        queue.get(timeout=2.0)  # alive and idle: the FFN keeps serving (nothing reported)
+    t0 = time.monotonic()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    res = collect(queue, {"ffn0"}, 2 * SLACK_S)["ffn0"]
+    elapsed = time.monotonic() - t0
+    _join_all(procs, 10)
+    print(f"{elapsed:.2f}s", res["message"])
+    assert res["error"] == "ConnectorError", res
+    assert "lost attention rank 0" in res["message"] and f"127.0.0.1:{port}" in res["message"], res["message"]
+    assert res["calls"] == 0 and elapsed < SLACK_S, (elapsed, res)
