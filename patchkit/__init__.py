@@ -43,6 +43,8 @@ class Status:
     """Where one plugin's plan stands in this process.
 
     ``run`` is the ``patchkit.engine.Run`` when a manifest was selected, else None.
+    ``fallback`` says the selected manifest is the plugin's ``fallback: true`` one
+    (no pinned manifest fits this vLLM); ``vllm_version`` is the running vLLM's.
     """
 
     __slots__ = ("active", "plugin", "problem", "run", "supported")
@@ -53,6 +55,14 @@ class Status:
         self.problem = problem
         self.supported = supported
         self.run = run
+
+    @property
+    def fallback(self) -> bool:
+        return self.run is not None and self.run.manifest.fallback
+
+    @property
+    def vllm_version(self) -> str | None:
+        return self.run.runtime.vllm_version if self.run is not None else None
 
     def __repr__(self) -> str:
         return f"Status({self.plugin!r}, active={self.active}, problem={self.problem!r})"

@@ -21,9 +21,9 @@ def require_active_plan() -> None:
         raise AfdUnavailable("the afd plugin did not run in this process (is VLLM_PLUGINS excluding 'afd'?)")
     if not status.active:
         raise AfdUnavailable(f"the afd patch plan is not active: {status.problem}")
-    if status.run.manifest.fallback:
+    if status.fallback:
         raise AfdUnavailable(
-            f"vLLM {status.run.runtime.vllm_version} is not supported by afd-plugin; supported: {status.supported}"
+            f"vLLM {status.vllm_version} is not supported by afd-plugin; supported: {status.supported}"
         )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from afd_patches.config import AfdConfig, AfdConfigError, from_additional_config, parse, role_of
@@ -44,3 +47,33 @@ def test_off_unless_present():
     assert role_of(SimpleNamespace(additional_config={"afd": {"role": "ffn"}})) == "ffn"
     with pytest.raises(AfdConfigError, match="must be a mapping"):
         parse(["role", "ffn"])
+
+
+class _Args:
+    """The two attributes of vLLM's EngineArgs that ``validate_afd_config`` reads and writes."""
+
+    def __init__(self, additional_config: dict[str, Any]) -> None:
+        self.additional_config = additional_config
+        self.enable_prefix_caching = True
+
+
+def test_afd_is_refused_with_the_supported_releases_on_an_unsupported_vllm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a vLLM no pinned manifest fits, the fallback plan is active and AFD fails naming the releases."""
+    import afd_patches
+    import patchkit
+    from afd_patches.compat.engine_config import AfdUnavailable, validate_afd_config
+    from patchkit.planning import Runtime
+
+    monkeypatch.setenv("PATCHKIT_CACHE_DIR", str(tmp_path))
+    patchkit.revert("afd")
+    with pytest.raises(AfdUnavailable, match="did not run in this process"):
+        validate_afd_config(lambda args: "config", _Args({"afd": {"role": "ffn"}}))
+    try:
+        status = patchkit.activate("afd", afd_patches.manifest_dir(), Runtime("0.99.0", None, _platform="cpu"))
+        assert status.active and status.fallback and status.vllm_version == "0.99.0"
+        with pytest.raises(AfdUnavailable, match=r"vLLM 0\.99\.0 is not supported .*vllm==0\.30\.0.*vllm==0\.32\.0"):
+            validate_afd_config(lambda args: "config", _Args({"afd": {"role": "ffn"}}))
+        assert validate_afd_config(lambda args: "config", _Args({"other": 1})) == "config"  # plain runs go on
+    finally:
+        patchkit.revert("afd")
