@@ -108,19 +108,17 @@ class Manifest(Record):
         return cls(**{**data, "packages": tuple(data["packages"]), "entries": tuple(entries), "models": models})
 
 
-class Compiled:
+class Compiled(Record):
     """What the hook needs: the selected manifest (or why there is none) and the plan order."""
 
-    __slots__ = ("digest", "error", "manifest", "order", "static", "supported")
-
-    def __init__(self, manifest: Manifest | None, order: list[str], static: dict[str, str | None],
-                 supported: str, error: str | None, digest: str) -> None:
-        self.manifest = manifest
-        self.order = order
-        self.static = static
-        self.supported = supported
-        self.error = error
-        self.digest = digest
+    _fields = ("manifest", "order", "static", "supported", "error", "digest")
+    __slots__ = _fields
+    manifest: Manifest | None
+    order: list[str]  # entry ids
+    static: dict[str, str | None]  # entry id (or "model:<arch>") -> why a static guard fails, or None
+    supported: str  # the releases the plugin's pinned manifests name, for messages
+    error: str | None  # why no manifest was selected
+    digest: str
 
     def to_json(self) -> dict[str, Any]:
         return {
