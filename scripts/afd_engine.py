@@ -83,6 +83,24 @@ def kill(procs: Iterable[subprocess.Popen[bytes]]) -> None:
             proc.wait(10)
 
 
+def group_members(pgid: int) -> list[str]:
+    """Live (non-zombie) processes of process group ``pgid``, as ``"pid name status"``; [] when none."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    import psutil  # a vLLM dependency
+
+    members = []
+    for p in psutil.process_iter(["pid", "name", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(f"{p.pid} {p.info['name']} {p.info['status']}")
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
 def run_engines(specs: list[dict[str, Any]], workdir: Path, timeout_s: float = ENGINE_TIMEOUT_S,
                 stagger_s: float = 0.0) -> list[dict[str, Any]]:
     """Run one engine process per spec (in order, ``stagger_s`` apart); all must finish in ``timeout_s``."""

