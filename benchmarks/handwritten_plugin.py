@@ -2,9 +2,10 @@
 
 What a careful plugin author writes without patchkit: closures around the four
 ``EngineArgs`` methods (descriptors kept), the worker override, and the model
-registrations. It has no fingerprints, no guards, no reports, no rollback. Model
-registration happens only if vLLM's registry module is already imported: without
-an import hook, plain Python would have to import it (about 2 s) to do better.
+registrations. It has no fingerprints, no guards, no reports, no rollback. By
+default it registers the models only if vLLM's registry module is already
+imported (the front end has not imported it, so there it registers nothing);
+``register(eager=True)`` imports the registry first, as vLLM's plugin docs show.
 Used by ``benchmarks/table.py``; not part of the plugin.
 """
 
@@ -30,7 +31,9 @@ def _register_models() -> None:
         registry.register_model(arch, ref)
 
 
-def register() -> None:
+def register(eager: bool = False) -> None:
+    """Apply the changes once per process. ``eager``: import vLLM's model registry now
+    (``from vllm import ModelRegistry``, as vLLM's plugin docs show) and register the models."""
     global _done
     if _done:
         return
@@ -63,5 +66,7 @@ def register() -> None:
     EngineArgs.create_engine_config = create_engine_config
     EngineArgs.add_cli_args = staticmethod(add)
     EngineArgs.from_cli_args = classmethod(from_cli)
+    if eager:
+        from vllm import ModelRegistry  # noqa: F401 - imports vllm.model_executor.models.registry
     if "vllm.model_executor.models.registry" in sys.modules:
         _register_models()
