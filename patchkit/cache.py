@@ -27,7 +27,7 @@ from typing import Any
 
 from patchkit import resources
 from patchkit.errors import ManifestError, UnsupportedRelease
-from patchkit.planning import Compiled, Runtime, python_tag
+from patchkit.planning import Compiled, Runtime, order, python_tag, select, static_verdict, supported
 
 FORMAT = "patchkit-plan-3"
 
@@ -61,8 +61,7 @@ def _key(files: list[Path], runtime: Runtime) -> str:
 
 def compile_plan(files: list[Path], runtime: Runtime) -> Compiled:
     """Validate every manifest (ManifestError on any problem) and select/order for ``runtime``."""
-    from patchkit import manifest as manifest_module
-    from patchkit.planning import order, select, static_verdict, supported
+    from patchkit import manifest as manifest_module  # YAML + JSON Schema: only when the cache misses
 
     manifests = []
     problems = []

@@ -413,6 +413,7 @@ class Run:
 
 
 def _compare(expected: str, actual: str | None) -> str:
+    """``fingerprint.compare`` for a fingerprint that differs: which half drifted (imported only then)."""
     from patchkit import fingerprint
 
     return fingerprint.compare(expected, actual)
