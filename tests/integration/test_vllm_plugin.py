@@ -104,6 +104,13 @@ def test_wheel_in_fresh_venv_finds_manifests_and_schemas(tmp_path):
                           env=env, timeout=300, cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert f"_manifests/{_expected_manifest()}" in plan.stdout and "afd.validate-config" in plan.stdout
+    # afd's own config schema ships inside afd_patches and validates (an unknown key is named)
+    config = subprocess.run(
+        [str(py), "-c", "import afd_patches; from afd_patches.config import parse; print(afd_patches.config_schema()); "
+                        "parse({'role': 'ffn', 'colour': 1})"],
+        capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert "afd_patches/_schemas/afd-config.schema.json" in config.stdout, config.stdout + config.stderr
+    assert "AfdConfigError" in config.stderr and '["colour"]: unknown key' in config.stderr, config.stderr[-2000:]
 
 
 def test_afd_config_without_the_plugin_fails_fast(tiny_llama):
