@@ -38,6 +38,9 @@ class EngineFailed(RuntimeError):
     """An engine process exited non-zero or overran its time limit; carries its log tail."""
 
 
+Engine = tuple[subprocess.Popen[bytes], Path, Path]  # (process, its log, its result file)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,7 +64,7 @@ def tail(log: Path, n: int = 4000) -> str:
     return log.read_text(errors="replace")[-n:]
 
 
-def start(spec: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[bytes], Path, Path]:
+def start(spec: dict[str, Any], workdir: Path) -> Engine:
     """Start one engine process for ``spec`` in its own session; (process, log, result path)."""
     spec_path = workdir / f"spec-{spec['name']}.json"
     spec["out"] = str(workdir / f"out-{spec['name']}.json")
@@ -104,7 +107,7 @@ def group_members(pgid: int) -> list[str]:
 def run_engines(specs: list[dict[str, Any]], workdir: Path, timeout_s: float = ENGINE_TIMEOUT_S,
                 stagger_s: float = 0.0) -> list[dict[str, Any]]:
     """Run one engine process per spec (in order, ``stagger_s`` apart); all must finish in ``timeout_s``."""
-    procs: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
+    procs: list[Engine] = []
     try:
         for i, spec in enumerate(specs):
             procs.append(start(spec, workdir))

@@ -17,11 +17,24 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_engine import ARCH, ENGINE_TIMEOUT_S, EngineFailed, free_port, group_members, kill, run_engines, start, tail
+from afd_engine import (
+    ARCH,
+    ENGINE_TIMEOUT_S,
+    Engine,
+    EngineFailed,
+    free_port,
+    group_members,
+    kill,
+    run_engines,
+    start,
+    tail,
+)
 from tiny_model import build
 
 pytestmark = pytest.mark.vllm
@@ -163,57 +176,21 @@ def test_afd_2a1f_busy_and_idle_rank_finishes(workdir: Path) -> None:
     assert i["idle_steps"] == i["steps"] > 0  # every step of the idle rank was a zero-token one
 
 
-def test_ffn_killed_mid_generation_fails_attention_within_timeout(workdir: Path) -> None:
-    """Killing the FFN engine mid-generation makes the attention engine fail with a connector error, fast."""
-    family = "llama"
-    model, _ = _model_and_plain(workdir, family)
-    timeout_s = 15.0
-    afd = {**_afd(1), "timeout_s": timeout_s}
-    ready = workdir / "kill-attn-ready"
-    ready.unlink(missing_ok=True)
-    attn_spec = _spec("kill-attn", "attention", model, family, {**afd, "role": "attention"})
-    attn_spec.update(max_tokens=240, ready_flag=str(ready))
-    ffn = start(_spec("kill-ffn", "ffn", model, family, {**afd, "role": "ffn"}), workdir)
-    attn = None
-    try:
-        time.sleep(1.0)
-        attn = start(attn_spec, workdir)
-        deadline = time.monotonic() + ENGINE_TIMEOUT_S
-        while not ready.exists():
-            assert attn[0].poll() is None, tail(attn[1])
-            assert time.monotonic() < deadline, "attention engine did not come up"
-            time.sleep(0.1)
-        time.sleep(1.0)  # generation of 3 x 240 tokens is under way
-        os.killpg(ffn[0].pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        try:
-            attn[0].wait(timeout_s + 60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"attention engine still running {timeout_s + 60}s after the FFN was killed")
-        elapsed = time.monotonic() - killed_at
-        log = tail(attn[1], 20000)
-        assert attn[0].returncode != 0
-        assert "ConnectorError" in log or "ConnectorTimeout" in log, log[-3000:]
-        assert "AFD" in log
-        assert elapsed < timeout_s + 30, elapsed
-        print(f"attention failed {elapsed:.1f}s after the FFN was killed (timeout_s={timeout_s})")
-    finally:
-        kill([ffn[0]] + ([attn[0]] if attn else []))
+KILL_TIMEOUT_S = 15.0  # the pair's AFD timeout_s in the kill tests
 
 
-def test_attention_killed_mid_generation_stops_ffn_engine(workdir: Path) -> None:
-    """Killing the attention engine mid-generation ends the FFN engine by itself, within a bound:
-    the process exits, its log names the lost attention peer, and nothing of its process group is left."""
+@contextmanager
+def _generating_pair(workdir: Path, tag: str) -> Iterator[tuple[Engine, Engine]]:
+    """A 1A1F Llama pair (FFN started first), yielded once the attention engine is generating
+    3 x 240 tokens; both are killed on the way out."""
     family = "llama"
     model, _ = _model_and_plain(workdir, family)
-    timeout_s = 15.0
-    afd = {**_afd(1), "timeout_s": timeout_s}
-    ready = workdir / "kill-attn-side-ready"
+    afd = {**_afd(1), "timeout_s": KILL_TIMEOUT_S}
+    ready = workdir / f"{tag}-ready"
     ready.unlink(missing_ok=True)
-    attn_spec = _spec("killed-attn", "attention", model, family, {**afd, "role": "attention"})
+    attn_spec = _spec(f"{tag}-attn", "attention", model, family, {**afd, "role": "attention"})
     attn_spec.update(max_tokens=240, ready_flag=str(ready))
-    ffn = start(_spec("orphan-ffn", "ffn", model, family, {**afd, "role": "ffn"}), workdir)
-    pgid = ffn[0].pid  # start() gives every engine its own session, so its group id is its pid
+    ffn = start(_spec(f"{tag}-ffn", "ffn", model, family, {**afd, "role": "ffn"}), workdir)
     attn = None
     try:
         time.sleep(1.0)
@@ -224,24 +201,46 @@ def test_attention_killed_mid_generation_stops_ffn_engine(workdir: Path) -> None
             assert ffn[0].poll() is None, tail(ffn[1])
             assert time.monotonic() < deadline, "attention engine did not come up"
             time.sleep(0.1)
-        time.sleep(1.0)  # generation of 3 x 240 tokens is under way
+        time.sleep(1.0)  # generation is under way
         assert ffn[0].poll() is None, tail(ffn[1])
+        yield ffn, attn
+    finally:
+        kill([ffn[0]] + ([attn[0]] if attn else []))
+
+
+def _wait_exit(engine: Engine, what: str) -> float:
+    """Seconds until ``engine`` exits by itself; fail after KILL_TIMEOUT_S + 30 s."""
+    started = time.monotonic()
+    try:
+        engine[0].wait(KILL_TIMEOUT_S + 30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} still running {KILL_TIMEOUT_S + 30}s after its peer was killed:\n{tail(engine[1])}")
+    return time.monotonic() - started
+
+
+def test_ffn_killed_mid_generation_fails_attention_within_timeout(workdir: Path) -> None:
+    """Killing the FFN engine mid-generation makes the attention engine fail with a connector error, fast."""
+    with _generating_pair(workdir, "kill-ffn") as (ffn, attn):
+        os.killpg(ffn[0].pid, signal.SIGKILL)
+        elapsed = _wait_exit(attn, "attention engine")
+        log = tail(attn[1], 20000)
+        assert attn[0].returncode != 0
+        assert "ConnectorError" in log or "ConnectorTimeout" in log, log[-3000:]
+        assert "AFD" in log
+        print(f"attention failed {elapsed:.1f}s after the FFN was killed (timeout_s={KILL_TIMEOUT_S})")
+
+
+def test_attention_killed_mid_generation_stops_ffn_engine(workdir: Path) -> None:
+    """Killing the attention engine mid-generation ends the FFN engine by itself, within a bound:
+    the process exits, its log names the lost attention peer, and nothing of its process group is left."""
+    with _generating_pair(workdir, "kill-attn") as (ffn, attn):
+        pgid = ffn[0].pid  # start() gives every engine its own session, so its group id is its pid
         os.killpg(attn[0].pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        try:
-            ffn[0].wait(timeout_s + 30)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"FFN engine still running {timeout_s + 30}s after the attention engine was killed:\n"
-                        f"{tail(ffn[1])}")
-        elapsed = time.monotonic() - killed_at
+        elapsed = _wait_exit(ffn, "FFN engine")
         gone_by = time.monotonic() + 10.0  # helpers the engine started (if any) get a moment to notice
         while (left := group_members(pgid)) and time.monotonic() < gone_by:
             time.sleep(0.2)
         assert not left, f"FFN process group {pgid} still has processes: {left}"
         log = tail(ffn[1], 20000)
-        assert "AFD" in log and "attention rank 0" in log, log[-3000:]
         assert "lost attention rank 0" in log, log[-3000:]
-        assert elapsed < timeout_s + 30, elapsed
         print(f"FFN engine exited {ffn[0].returncode} {elapsed:.1f}s after the attention engine was killed")
-    finally:
-        kill([ffn[0]] + ([attn[0]] if attn else []))
