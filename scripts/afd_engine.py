@@ -61,7 +61,8 @@ def engine_env(workdir: Path, multiprocessing: bool = False) -> dict[str, str]:
 
 
 def tail(log: Path, n: int = 4000) -> str:
-    return log.read_text(errors="replace")[-n:]
+    """The last ``n`` characters of ``log`` (``"(no log)"`` before the process wrote one)."""
+    return log.read_text(errors="replace")[-n:] if log.exists() else "(no log)"
 
 
 def start(spec: dict[str, Any], workdir: Path) -> Engine:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_engine import group_members  # scripts/ is on sys.path (tests/integration/conftest.py)
+from afd_engine import free_port, group_members, tail  # scripts/ is on sys.path (tests/integration/conftest.py)
 from tiny_model import build
 from tiny_tokenizer import build_tokenizer
 from vllm_run import REPO, run_generate, vllm_env
@@ -52,12 +51,6 @@ HELP_TIMEOUT_S = 120.0
 AFD_FLAGS = ("--afd-role", "--afd-connector", "--afd-host", "--afd-port", "--afd-num-attention-ranks",
              "--afd-num-ffn-ranks", "--afd-rank", "--afd-timeout-s")
 SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def _env() -> dict[str, str]:
@@ -84,16 +77,12 @@ def _server_args(model: Path, port: int, *extra: str) -> list[str]:
             "--kv-cache-memory-bytes", str(64 << 20), *extra]
 
 
-def _tail(log: Path, n: int = 4000) -> str:
-    return log.read_text(errors="replace")[-n:] if log.exists() else "(no log)"
-
-
 def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float) -> float:
     """Poll ``/health`` until 200; fail on early exit or after ``timeout_s``. Returns seconds waited."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
-            pytest.fail(f"server on port {port} exited {proc.returncode} before it was healthy:\n{_tail(log)}")
+            pytest.fail(f"server on port {port} exited {proc.returncode} before it was healthy:\n{tail(log)}")
         try:
             with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=2) as r:
                 if r.status == 200:
@@ -101,7 +90,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         time.sleep(0.5)
-    pytest.fail(f"server on port {port} not healthy within {timeout_s}s:\n{_tail(log)}")
+    pytest.fail(f"server on port {port} not healthy within {timeout_s}s:\n{tail(log)}")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -176,7 +165,7 @@ def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, tmp_p
     plain_tokens = plain.result["tokens"][0]
     plain_logprobs = plain.result["logprobs"][0]
 
-    afd_port, ffn_port, attn_port = _free_port(), _free_port(), _free_port()
+    afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
     arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
     common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", "300"]
     with _servers() as procs:
@@ -192,7 +181,7 @@ def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, tmp_p
         response = _complete(attn_port, model_dir)
         request_s = time.monotonic() - t1
         attn_stats, ffn_stats = _afd_stats(attn_port), _afd_stats(ffn_port)
-        assert ffn.poll() is None, f"FFN server died:\n{_tail(ffn_log)}"
+        assert ffn.poll() is None, f"FFN server died:\n{tail(ffn_log)}"
     choice = response["choices"][0]
     lp = choice["logprobs"]
     tokens = [_token_id(t) for t in lp["tokens"]]
@@ -220,7 +209,7 @@ def test_attention_server_killed_stops_ffn_server(model_dir: Path, tmp_path: Pat
     bounds the handshake, so it must cover the attention server's start (a stopped handshake stops the
     FFN server too); the lost peer itself is seen at once, when its socket closes."""
     timeout_s = 120
-    afd_port, ffn_port, attn_port = _free_port(), _free_port(), _free_port()
+    afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
     arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
     common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", str(timeout_s)]
     with _servers() as procs:
@@ -237,12 +226,12 @@ def test_attention_server_killed_stops_ffn_server(model_dir: Path, tmp_path: Pat
             code = ffn.wait(timeout_s + 60)
         except subprocess.TimeoutExpired:
             pytest.fail(f"FFN server still up {timeout_s + 60}s after the attention server was killed:\n"
-                        f"{_tail(ffn_log)}")
+                        f"{tail(ffn_log)}")
         elapsed = time.monotonic() - t0
         gone_by = time.monotonic() + 30
         while (left := group_members(ffn.pid)) and time.monotonic() < gone_by:
             time.sleep(0.2)
         assert not left, f"FFN server process group {ffn.pid} still has processes: {left}"
-        log = _tail(ffn_log, 20000)
+        log = tail(ffn_log, 20000)
         assert "AFD FFN serve loop stopped" in log and "lost attention rank 0" in log, log[-3000:]
     print(f"FFN server exited {code} {elapsed:.1f}s after the attention server was killed")
