@@ -13,21 +13,25 @@ else ``~/.cache/patchkit``. Writes are atomic (temp file + rename), so
 concurrent processes at worst compute the same plan twice. An unwritable or
 corrupt cache is ignored, never fatal, and so is a cache file that another user owns
 or that group/others may write (the cache is trusted input: a plan names callables).
-Fingerprints of live objects are cached the same way, keyed by file, size, mtime and first line.
+Fingerprints of live objects and compiled wrappers are cached the same way (``CodeCache``).
 """
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import json
+import marshal
 import os
+import sys
 import tempfile
+from importlib.util import MAGIC_NUMBER
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 from patchkit import resources
-from patchkit.errors import ManifestError, UnsupportedRelease
-from patchkit.planning import Compiled, Runtime, order, python_tag, select, static_verdict, supported
+from patchkit.planning import Compiled, Runtime
 
 FORMAT = "patchkit-plan-3"
 
@@ -59,28 +63,8 @@ def _key(files: list[Path], runtime: Runtime) -> str:
     return h.hexdigest()[:32]
 
 
-def compile_plan(files: list[Path], runtime: Runtime) -> Compiled:
-    """Validate every manifest (ManifestError on any problem) and select/order for ``runtime``."""
-    from patchkit import manifest as manifest_module  # YAML + JSON Schema: only when the cache misses
-
-    manifests = []
-    problems = []
-    for f in files:
-        try:
-            manifests.append(manifest_module.load(f))
-        except ManifestError as exc:
-            problems.extend(exc.problems)
-    if problems:
-        raise ManifestError(problems)
-    try:
-        chosen = select(manifests, runtime)
-    except UnsupportedRelease as exc:
-        return Compiled(None, [], {}, supported(manifests), str(exc), "")
-    ordered = order(chosen.entries)
-    static = {e.id: static_verdict(e.when, runtime) for e in ordered}
-    static.update({f"model:{m.arch}": static_verdict(m.when, runtime) for m in chosen.models})
-    digest = hashlib.sha256(f"{chosen.digest}|{[e.id for e in ordered]}".encode()).hexdigest()[:16]
-    return Compiled(chosen, [e.id for e in ordered], static, supported(manifests), None, digest)
+def python_tag() -> str:
+    return f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}.{sys.version_info[2]}"
 
 
 def _read_json(path: Path) -> Any:
@@ -123,16 +107,26 @@ def compiled(directory: Path, runtime: Runtime) -> Compiled:
             return Compiled.from_json(data["plan"])
         except (KeyError, TypeError):
             pass
+    from patchkit.selection import compile_plan  # YAML, JSON Schema, selection: only on a miss
+
     result = compile_plan(files, runtime)
     _write_json(path, {"format": FORMAT, "plan": result.to_json()})
     return result
 
 
-class FingerprintCache:
-    """``(file, size, mtime, first line, qualname)`` → fingerprint, persisted as one JSON file."""
+class CodeCache:
+    """What patchkit derives from live code, kept across processes in one JSON file.
+
+    - fingerprints: ``(file, size, mtime, first line, qualname)`` → fingerprint;
+    - compiled wrappers: (bytecode magic, file name, source) → marshalled code.
+
+    Both are pure functions of their key, so a stale entry is never read; an
+    entry that does not decode is computed again. The file is read only when
+    it passes the same ownership check as the plans (it holds code to run).
+    """
 
     def __init__(self) -> None:
-        self._path = cache_dir() / "fingerprints.json"
+        self._path = cache_dir() / "code-cache.json"
         self._data: dict[str, str] | None = None
         self._dirty = False
 
@@ -162,6 +156,21 @@ class FingerprintCache:
         assert self._data is not None
         self._data[key] = value
         self._dirty = True
+
+    def compiled(self, source: str, filename: str) -> CodeType:
+        """``compile(source, filename, "exec")``, from the cache when this Python compiled it before."""
+        key = f"code|{MAGIC_NUMBER.hex()}|{filename}|{source}"
+        cached = self.get(key)
+        if cached is not None:
+            try:
+                code = marshal.loads(binascii.a2b_base64(cached))
+                if isinstance(code, CodeType):
+                    return code
+            except (ValueError, EOFError, TypeError, binascii.Error):
+                pass
+        code = compile(source, filename, "exec")
+        self.put(key, binascii.b2a_base64(marshal.dumps(code), newline=False).decode("ascii"))
+        return code
 
     def flush(self) -> None:
         if self._dirty and self._data is not None:

@@ -55,6 +55,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from patchkit import cache, fingerprint
     from patchkit.planning import Runtime, runtime_verdict
+    from patchkit.selection import compile_plan
     from patchkit.targets import Slot, TargetMissing, unwrap_descriptor
 
     dirs = {args.plugin or "manifest": Path(args.manifests)} if args.manifests else registered_manifest_dirs()
@@ -68,7 +69,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"platform {runtime.platform} python {runtime.python}")
     status = 0
     for plugin, directory in dirs.items():
-        compiled = cache.compile_plan(cache.manifest_files(directory), runtime)
+        compiled = compile_plan(cache.manifest_files(directory), runtime)
         if compiled.manifest is None:
             print(f"{plugin}: {compiled.error}")
             status = 1

@@ -30,11 +30,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 from patchkit import importhook
-from patchkit.cache import FingerprintCache
+from patchkit.cache import CodeCache
 from patchkit.errors import PatchError
 from patchkit.planning import Compiled, Entry, Manifest, Runtime, runtime_verdict
 from patchkit.targets import Slot, TargetMissing, import_ref, unwrap_descriptor
@@ -83,61 +83,73 @@ class _Skip(Exception):
         self.reason = reason
 
 
-def make_wrapper(factory: Callable[..., Any], original: Callable[..., Any], marker: tuple[str, str]) -> Any:
+def make_wrapper(factory: Callable[..., Any], original: Callable[..., Any], marker: tuple[str, str],
+                 codes: CodeCache | None = None) -> Any:
     """``patched(...) == factory(original, ...)``, looking like ``original``.
 
-    The wrapper is generated with ``original``'s own parameter list, so a call
-    costs what a hand-written closure costs (no ``*args``/``**kwargs`` packing);
-    when the signature cannot be read it falls back to ``*args, **kwargs``.
+    For a Python function the wrapper is generated with ``original``'s own
+    parameter list (read from its code object), so a call costs what a
+    hand-written closure costs (no ``*args``/``**kwargs`` packing). Any other
+    callable (a builtin, a ``functools.partial``, a callable instance) gets
+    ``*args, **kwargs``. ``codes`` keeps the compiled wrapper across processes
+    (compiling costs ~0.1 ms a wrapper, paid by every vLLM process otherwise).
     """
     params, forward, namespace = _signature_source(original)
-    namespace.update(factory=factory, original=original)
     source = f"def patched({params}):\n    return factory(original{forward})\n"
-    exec(compile(source, f"<patchkit wrapper {marker[1]}>", "exec"), namespace)
+    filename = f"<patchkit wrapper {marker[1]}>"
+    code = codes.compiled(source, filename) if codes is not None else compile(source, filename, "exec")
+    namespace.update(factory=factory, original=original)
+    exec(code, namespace)
     patched = namespace["patched"]
     functools.update_wrapper(patched, original)
     patched.__patchkit__ = marker
     return patched
 
 
+_CO_VARARGS, _CO_VARKEYWORDS = 0x04, 0x08  # inspect.CO_VARARGS / CO_VARKEYWORDS
+
+
 def _signature_source(func: Callable[..., Any]) -> tuple[str, str, dict[str, Any]]:
     """(parameter list, forwarded arguments, namespace holding the defaults) for ``func``."""
     generic = ("*args, **kwargs", ", *args, **kwargs", {})
-    try:
-        signature = inspect.signature(func, follow_wrapped=False)
-    except (TypeError, ValueError):
+    code = getattr(func, "__code__", None)
+    if not isinstance(func, FunctionType) or code is None:
         return generic
+    npos, nkw = code.co_argcount, code.co_kwonlyargcount
+    names = code.co_varnames
+    star = names[npos + nkw] if code.co_flags & _CO_VARARGS else None
+    starstar = names[npos + nkw + bool(star)] if code.co_flags & _CO_VARKEYWORDS else None
+    every = [*names[: npos + nkw], *(n for n in (star, starstar) if n)]
+    if any(n in ("factory", "original") or not n.isidentifier() for n in every):
+        return generic
+    defaults, kwdefaults = func.__defaults__ or (), func.__kwdefaults__ or {}
+    namespace: dict[str, Any] = {}
     params: list[str] = []
     forward: list[str] = []
-    namespace: dict[str, Any] = {}
-    kinds = inspect.Parameter
-    saw_star = False
-    for i, p in enumerate(signature.parameters.values()):
-        if p.name in ("factory", "original") or not p.name.isidentifier():
-            return generic
-        text = p.name
-        if p.default is not kinds.empty:
-            namespace[f"_default{i}"] = p.default
-            text += f"=_default{i}"
-        if p.kind is kinds.VAR_POSITIONAL:
-            params.append("*" + p.name)
-            forward.append("*" + p.name)
-            saw_star = True
-            continue
-        if p.kind is kinds.VAR_KEYWORD:
-            params.append("**" + p.name)
-            forward.append("**" + p.name)
-            continue
-        if p.kind is kinds.KEYWORD_ONLY and not saw_star:
-            params.append("*")
-            saw_star = True
-        params.append(text)
-        forward.append(f"{p.name}={p.name}" if p.kind is kinds.KEYWORD_ONLY else p.name)
-        if p.kind is kinds.POSITIONAL_ONLY and (
-            i + 1 == len(signature.parameters)
-            or list(signature.parameters.values())[i + 1].kind is not kinds.POSITIONAL_ONLY
-        ):
+
+    def param(i: int, name: str, has_default: bool, default: Any) -> str:
+        if not has_default:
+            return name
+        namespace[f"_default{i}"] = default
+        return f"{name}=_default{i}"
+
+    first_default = npos - len(defaults)
+    for i, name in enumerate(names[:npos]):
+        params.append(param(i, name, i >= first_default, defaults[i - first_default] if i >= first_default else None))
+        forward.append(name)
+        if i + 1 == code.co_posonlyargcount:
             params.append("/")
+    if star:
+        params.append("*" + star)
+        forward.append("*" + star)
+    elif nkw:
+        params.append("*")
+    for i, name in enumerate(names[npos : npos + nkw], start=npos):
+        params.append(param(i, name, name in kwdefaults, kwdefaults.get(name)))
+        forward.append(f"{name}={name}")
+    if starstar:
+        params.append("**" + starstar)
+        forward.append("**" + starstar)
     return ", ".join(params), "".join(", " + f for f in forward), namespace
 
 
@@ -163,7 +175,7 @@ class Run:
         self._pumping = False
         self._starting = False
         self._callbacks: list[importhook.Callback] = []
-        self._fingerprints = FingerprintCache()
+        self._codes = CodeCache()
         self._on_change = on_change
 
     # -- scheduling -------------------------------------------------------------------------
@@ -210,7 +222,7 @@ class Run:
                 self._pump()
             finally:
                 self._pumping = False
-                self._fingerprints.flush()
+                self._codes.flush()
         if not self._starting:
             self._changed()
 
@@ -311,15 +323,15 @@ class Run:
                 raise _Skip("guarded-out", f"probe has_param: {entry.target} lacks {', '.join(missing)}")
 
     def _fingerprint_of(self, func: Any) -> str | None:
-        key = FingerprintCache.key_of(func)
-        cached = self._fingerprints.get(key) if key else None
+        key = CodeCache.key_of(func)
+        cached = self._codes.get(key) if key else None
         if cached:
             return cached
         from patchkit import fingerprint  # only when the cache has no fingerprint for this source
 
         value = fingerprint.of_object(func)
         if key and value:
-            self._fingerprints.put(key, value)
+            self._codes.put(key, value)
         return value
 
     def _new_object(self, entry: Entry, func: Any) -> Any:
@@ -333,7 +345,7 @@ class Run:
                 factory = vllm_adapter.worker_wrapper(entry.workers or {}, self.runtime)
             except Exception as exc:  # noqa: BLE001 - reported as this entry's failure
                 raise _EntryFailed(f"cannot build worker override: {exc!r}") from None
-            return make_wrapper(factory, func, marker)
+            return make_wrapper(factory, func, marker, self._codes)
         try:
             obj = import_ref(entry.with_ or "")
         except Exception as exc:  # noqa: BLE001 - any import failure is this entry's failure
@@ -341,7 +353,7 @@ class Run:
         if entry.op == "wrap":
             if not callable(obj) or not callable(func):
                 raise _EntryFailed(f"wrap needs callables ({entry.with_}, {entry.target})")
-            return make_wrapper(obj, func, marker)
+            return make_wrapper(obj, func, marker, self._codes)
         return obj
 
     # -- models ----------------------------------------------------------------------------

@@ -13,13 +13,14 @@ runs once per registration; ``importlib.reload`` does not re-run it.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
 
 Callback = Callable[[ModuleType], None]
 
@@ -27,8 +28,11 @@ _lock = threading.RLock()
 _pending: dict[str, list[Callback]] = {}
 
 
-class _LoaderProxy(importlib.abc.Loader):
-    """Delegates to the real loader; runs the pending callbacks after ``exec_module``."""
+class _LoaderProxy:
+    """Delegates to the real loader; runs the pending callbacks after ``exec_module``.
+
+    Plain classes, not ``importlib.abc`` subclasses: the import system needs only
+    these methods, and ABC classes cost every vLLM process their creation."""
 
     def __init__(self, loader: Any, name: str) -> None:
         self._loader = loader
@@ -37,7 +41,7 @@ class _LoaderProxy(importlib.abc.Loader):
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._loader, attr)
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -49,11 +53,11 @@ class _LoaderProxy(importlib.abc.Loader):
         _run(self._name, module)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
         if fullname not in _pending or getattr(self._local, "busy", False):
             return None
         self._local.busy = True

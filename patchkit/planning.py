@@ -1,27 +1,22 @@
-"""The plan: its data (entries, models, the compiled plan), the running vLLM it is
-judged against, and how a manifest is selected and ordered for it.
+"""The plan's data (entries, models, the compiled plan) and the running vLLM it is judged against.
 
 The data classes are what ``patchkit.manifest`` builds from validated YAML and
 what ``patchkit.cache`` stores as JSON, so the plugin hook in every vLLM process
-needs this module but not the YAML and JSON Schema machinery.
-
-Selection: among the valid manifests of a plugin, an exact commit match wins,
-then the first (by file name) whose ``vllm.version`` specifier holds, then a
-``fallback: true`` manifest. Order: topological over ``after``, file order as
-the tie-break. Guards on versions, commit, Python, platform and environment are
-decided here; feature probes (``has_attr``, ``has_param``) need the target in
-hand and are decided when the entry is applied.
+needs this module but not the YAML and JSON Schema machinery, nor
+``patchkit.selection`` (choosing and ordering, done when the cache misses).
+Guards that can differ between processes of one installation (platform,
+environment) are decided here by ``runtime_verdict``; feature probes
+(``has_attr``, ``has_param``) need the target in hand and are decided when the
+entry is applied.
 """
 
 from __future__ import annotations
 
 import os
 import platform as _platform_module
-import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from patchkit.errors import UnsupportedRelease
 from patchkit.records import Record
 
 WORKERS_ENTRY_ID = "workers"
@@ -200,68 +195,6 @@ def _vllm_platform() -> str | None:
         return None
 
 
-def _spec_holds(spec: str, version: str | None) -> bool:
-    if version is None:
-        return False
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version) in SpecifierSet(spec, prereleases=True)
-    except InvalidVersion:
-        return False
-
-
-def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
-    """The manifest for ``runtime``; UnsupportedRelease lists the supported releases otherwise."""
-    commit = runtime.vllm_commit or ""
-    pinned = sorted((m for m in manifests if not m.fallback), key=lambda m: m.file)
-    for m in pinned:
-        if m.vllm_commit and commit and (commit.startswith(m.vllm_commit) or m.vllm_commit.startswith(commit)):
-            return m
-    for m in pinned:
-        if _spec_holds(m.vllm_version, runtime.vllm_version):
-            return m
-    for m in manifests:
-        if m.fallback:
-            return m
-    raise UnsupportedRelease(
-        f"vLLM {runtime.vllm_version or 'not installed'} (commit {runtime.vllm_commit or 'unknown'}) "
-        f"is not supported; supported: {supported(manifests) or 'none'}"
-    )
-
-
-def supported(manifests: list[Manifest]) -> str:
-    return ", ".join(f"vllm{m.vllm_version}" for m in sorted(manifests, key=lambda m: m.file) if not m.fallback)
-
-
-def order(entries: tuple[Entry, ...]) -> list[Entry]:
-    """Topological order over ``after``; among ready entries, file order first."""
-    placed: set[str] = set()
-    remaining = list(entries)
-    result: list[Entry] = []
-    while remaining:
-        for i, e in enumerate(remaining):
-            if all(dep in placed for dep in e.after):
-                result.append(remaining.pop(i))
-                placed.add(e.id)
-                break
-        else:  # unreachable for validated manifests (cycles are rejected there)
-            raise ValueError("order cycle among: " + ", ".join(e.id for e in remaining))
-    return result
-
-
-def static_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
-    """None when every static guard holds, else the reason the first one fails."""
-    if "vllm" in when and not _spec_holds(when["vllm"], runtime.vllm_version):
-        return f"vllm {runtime.vllm_version} not in {when['vllm']}"
-    if "commit" in when and not any((runtime.vllm_commit or "").startswith(c) for c in when["commit"]):
-        return f"vllm commit {runtime.vllm_commit or 'unknown'} not in {when['commit']}"
-    if "python" in when and not _spec_holds(when["python"], runtime.python):
-        return f"python {runtime.python} not in {when['python']}"
-    return None
-
-
 def runtime_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
     """Guards that can differ between processes of one installation (platform, env)."""
     if "platform" in when and runtime.platform not in when["platform"]:
@@ -273,7 +206,3 @@ def runtime_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
             found = "unset" if value is None else "set to another value"
             return f"env {name} is {found}, guard wants {'it unset' if wanted is None else repr(wanted)}"
     return None
-
-
-def python_tag() -> str:
-    return f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}.{sys.version_info[2]}"

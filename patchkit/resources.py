@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
-_REPO_ROOT = _PACKAGE_DIR.parent
+_PACKAGE_DIR = Path(__file__).parent
 
 
 def data_dir(package_dir: Path, packaged_name: str, repo_name: str) -> Path:

@@ -11,7 +11,7 @@ shows as a change of every entry that inherits it. What is compared:
   ``op``, ``with``, ``value``, ``when``, ``after``, ``fingerprint`` (with
   whether the signature or only the body hash moved), ``rebind``, ``on_drift``,
   ``required``, ``why``, ``upstream``, ``retire_when``;
-- ``order``: the applied order (``patchkit.planning.order``) of the entries
+- ``order``: the applied order (``patchkit.selection.order``) of the entries
   both manifests have, when their relative order differs;
 - ``models``: registrations added / removed / changed (``class``, ``when``);
 - ``workers`` (the entry with op ``workers``): ``at``, ``fingerprint``,
@@ -39,7 +39,8 @@ from typing import Any
 
 from patchkit import fingerprint, manifest
 from patchkit.errors import ManifestError
-from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration, order
+from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
+from patchkit.selection import order
 
 FORMATS = ("text", "markdown", "json")
 _ENTRY_FIELDS = ("target", "op", "with", "value", "when", "after", "fingerprint", "rebind", "on_drift",

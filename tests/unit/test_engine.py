@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import patchkit
-from patchkit import cache, cli, fingerprint, vllm_adapter
+from patchkit import cache, cli, fingerprint, selection, vllm_adapter
 from patchkit.planning import Runtime
 
 VICTIM = {
@@ -412,7 +412,7 @@ patches:
 
 
 def test_selection_commit_then_version_then_fallback(tmp_path, runtime):
-    from patchkit.planning import select
+    from patchkit.selection import select
 
     d = tmp_path / "m"
     d.mkdir()
@@ -467,7 +467,7 @@ patches:
     def no_compile(*args, **kwargs):
         raise AssertionError("the cached plan should have been used")
 
-    monkeypatch.setattr(cache, "compile_plan", no_compile)
+    monkeypatch.setattr(selection, "compile_plan", no_compile)
     second = cache.compiled(d, runtime)
     assert second.digest == first.digest and second.order == ["loud"]
     # editing the manifest invalidates the cache
@@ -591,3 +591,44 @@ def test_commit_ids_are_normalized():
     assert normalize_commit("gced6857af") == "ced6857af"  # CUDA wheels' git-describe form
     assert normalize_commit("CED6857AF") == "ced6857af"
     assert normalize_commit("None") is None and normalize_commit("abc") is None
+
+
+def test_wrapper_code_is_compiled_once_then_read_from_the_cache(sandbox, monkeypatch):
+    from patchkit.engine import make_wrapper
+
+    def original(x, y=2):
+        return x + y
+
+    def add_one(orig, *args, **kwargs):
+        return orig(*args, **kwargs) + 1
+
+    first = cache.CodeCache()
+    patched = make_wrapper(add_one, original, ("t", "e"), first)
+    first.flush()
+    assert patched(1) == 4 and patched.__code__.co_filename == "<patchkit wrapper e>"
+    compiled: list[str] = []
+    real_compile = compile
+    monkeypatch.setattr("builtins.compile", lambda *a, **k: compiled.append(a[0]) or real_compile(*a, **k))
+    again = make_wrapper(add_one, original, ("t", "e"), cache.CodeCache())  # as a new process would
+    assert again(1, y=5) == 7 and compiled == []
+    # a corrupt entry is compiled again, never trusted
+    path = cache.cache_dir() / "code-cache.json"
+    data = json.loads(path.read_text())
+    data = {k: ("!!not-base64!!" if k.startswith("code|") else v) for k, v in data.items()}
+    path.write_text(json.dumps(data))
+    assert make_wrapper(add_one, original, ("t", "e"), cache.CodeCache())(2) == 5 and len(compiled) == 1
+
+
+def test_non_function_callables_get_a_generic_wrapper():
+    import functools
+
+    from patchkit.engine import make_wrapper
+
+    def add(a, b):
+        return a + b
+
+    partial = functools.partial(add, 10)
+    patched = make_wrapper(lambda orig, *a, **k: orig(*a, **k) * 2, partial, ("t", "p"))
+    assert patched(5) == 30 and patched.__wrapped__ is partial
+    builtin = make_wrapper(lambda orig, *a, **k: orig(*a, **k), len, ("t", "len"))
+    assert builtin([1, 2, 3]) == 3

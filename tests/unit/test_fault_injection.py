@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 import patchkit
-from patchkit import engine, fingerprint, importhook, manifest, planning, vllm_adapter
+from patchkit import engine, fingerprint, importhook, manifest, selection, vllm_adapter
 from patchkit.planning import Runtime
 from patchkit.targets import Slot, unwrap_descriptor
 
@@ -139,7 +139,7 @@ def plan_doc(with_fingerprints: bool) -> dict[str, Any]:
 
 def _plan_order() -> list[str]:
     doc = plan_doc(with_fingerprints=False)
-    return [e.id for e in planning.order(manifest.parse(yaml.safe_dump(doc), "plan.yaml").entries)]
+    return [e.id for e in selection.order(manifest.parse(yaml.safe_dump(doc), "plan.yaml").entries)]
 
 
 ORDER = _plan_order()

@@ -1,0 +1,107 @@
+"""Selecting and ordering a plan: the part of planning that runs only when the plan cache misses.
+
+Selection: among the valid manifests of a plugin, an exact commit match wins,
+then the first (by file name) whose ``vllm.version`` specifier holds, then a
+``fallback: true`` manifest. Order: topological over ``after``, file order as
+the tie-break. Static guards (vLLM version, commit, Python) are decided here
+once and stored in the compiled plan; ``patchkit.planning.runtime_verdict``
+decides the guards that can differ between processes.
+
+Kept apart from ``patchkit.planning`` so that the plugin hook, which reads a
+cached plan in every vLLM process, loads none of this (nor ``packaging``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from patchkit.errors import ManifestError, UnsupportedRelease
+from patchkit.planning import Compiled, Entry, Manifest, Runtime
+
+
+def compile_plan(files: list[Path], runtime: Runtime) -> Compiled:
+    """Validate every manifest (ManifestError on any problem) and select/order for ``runtime``."""
+    from patchkit import manifest as manifest_module  # YAML + JSON Schema: only when the cache misses
+
+    manifests = []
+    problems = []
+    for f in files:
+        try:
+            manifests.append(manifest_module.load(f))
+        except ManifestError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ManifestError(problems)
+    try:
+        chosen = select(manifests, runtime)
+    except UnsupportedRelease as exc:
+        return Compiled(None, [], {}, supported(manifests), str(exc), "")
+    ordered = order(chosen.entries)
+    static = {e.id: static_verdict(e.when, runtime) for e in ordered}
+    static.update({f"model:{m.arch}": static_verdict(m.when, runtime) for m in chosen.models})
+    digest = hashlib.sha256(f"{chosen.digest}|{[e.id for e in ordered]}".encode()).hexdigest()[:16]
+    return Compiled(chosen, [e.id for e in ordered], static, supported(manifests), None, digest)
+
+
+def _spec_holds(spec: str, version: str | None) -> bool:
+    if version is None:
+        return False
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) in SpecifierSet(spec, prereleases=True)
+    except InvalidVersion:
+        return False
+
+
+def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
+    """The manifest for ``runtime``; UnsupportedRelease lists the supported releases otherwise."""
+    commit = runtime.vllm_commit or ""
+    pinned = sorted((m for m in manifests if not m.fallback), key=lambda m: m.file)
+    for m in pinned:
+        if m.vllm_commit and commit and (commit.startswith(m.vllm_commit) or m.vllm_commit.startswith(commit)):
+            return m
+    for m in pinned:
+        if _spec_holds(m.vllm_version, runtime.vllm_version):
+            return m
+    for m in manifests:
+        if m.fallback:
+            return m
+    raise UnsupportedRelease(
+        f"vLLM {runtime.vllm_version or 'not installed'} (commit {runtime.vllm_commit or 'unknown'}) "
+        f"is not supported; supported: {supported(manifests) or 'none'}"
+    )
+
+
+def supported(manifests: list[Manifest]) -> str:
+    return ", ".join(f"vllm{m.vllm_version}" for m in sorted(manifests, key=lambda m: m.file) if not m.fallback)
+
+
+def order(entries: tuple[Entry, ...]) -> list[Entry]:
+    """Topological order over ``after``; among ready entries, file order first."""
+    placed: set[str] = set()
+    remaining = list(entries)
+    result: list[Entry] = []
+    while remaining:
+        for i, e in enumerate(remaining):
+            if all(dep in placed for dep in e.after):
+                result.append(remaining.pop(i))
+                placed.add(e.id)
+                break
+        else:  # unreachable for validated manifests (cycles are rejected there)
+            raise ValueError("order cycle among: " + ", ".join(e.id for e in remaining))
+    return result
+
+
+def static_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
+    """None when every static guard holds, else the reason the first one fails."""
+    if "vllm" in when and not _spec_holds(when["vllm"], runtime.vllm_version):
+        return f"vllm {runtime.vllm_version} not in {when['vllm']}"
+    if "commit" in when and not any((runtime.vllm_commit or "").startswith(c) for c in when["commit"]):
+        return f"vllm commit {runtime.vllm_commit or 'unknown'} not in {when['commit']}"
+    if "python" in when and not _spec_holds(when["python"], runtime.python):
+        return f"python {runtime.python} not in {when['python']}"
+    return None
