@@ -122,20 +122,20 @@ def _signature_source(func: Callable[..., Any]) -> tuple[str, str, dict[str, Any
     every = [*names[: npos + nkw], *(n for n in (star, starstar) if n)]
     if any(n in ("factory", "original") or not n.isidentifier() for n in every):
         return generic
-    defaults, kwdefaults = func.__defaults__ or (), func.__kwdefaults__ or {}
+    defaults = func.__defaults__ or ()
+    default_of = {**dict(zip(names[npos - len(defaults) : npos], defaults, strict=True)), **(func.__kwdefaults__ or {})}
     namespace: dict[str, Any] = {}
     params: list[str] = []
     forward: list[str] = []
 
-    def param(i: int, name: str, has_default: bool, default: Any) -> str:
-        if not has_default:
+    def param(i: int, name: str) -> str:
+        if name not in default_of:
             return name
-        namespace[f"_default{i}"] = default
+        namespace[f"_default{i}"] = default_of[name]
         return f"{name}=_default{i}"
 
-    first_default = npos - len(defaults)
     for i, name in enumerate(names[:npos]):
-        params.append(param(i, name, i >= first_default, defaults[i - first_default] if i >= first_default else None))
+        params.append(param(i, name))
         forward.append(name)
         if i + 1 == code.co_posonlyargcount:
             params.append("/")
@@ -145,7 +145,7 @@ def _signature_source(func: Callable[..., Any]) -> tuple[str, str, dict[str, Any
     elif nkw:
         params.append("*")
     for i, name in enumerate(names[npos : npos + nkw], start=npos):
-        params.append(param(i, name, name in kwdefaults, kwdefaults.get(name)))
+        params.append(param(i, name))
         forward.append(f"{name}={name}")
     if starstar:
         params.append("**" + starstar)
