@@ -3,9 +3,10 @@
 What a careful plugin author writes without patchkit: closures around the four
 ``EngineArgs`` methods (descriptors kept), the worker override, and the model
 registrations. It has no fingerprints, no guards, no reports, no rollback. By
-default it registers the models only if vLLM's registry module is already
-imported (the front end has not imported it, so there it registers nothing);
-``register(eager=True)`` imports the registry first, as vLLM's plugin docs show.
+default it registers the models when vLLM's registry module is imported (now,
+if it already is; else from a small post-import hook, so that the front end,
+which imports the registry later, gets them too); ``register(eager=True)``
+imports the registry first, as vLLM's plugin docs show.
 Used by ``benchmarks/table.py``; not part of the plugin.
 """
 
@@ -25,10 +26,32 @@ WORKERS = {"attention": "afd_patches.workers.cpu.CpuAttentionWorker", "ffn": "af
 _done = False
 
 
-def _register_models() -> None:
-    registry = sys.modules["vllm.model_executor.models.registry"].ModelRegistry
+REGISTRY = "vllm.model_executor.models.registry"
+
+
+def _register_models(module: Any) -> None:
     for arch, ref in MODELS.items():
-        registry.register_model(arch, ref)
+        module.ModelRegistry.register_model(arch, ref)
+
+
+class _AfterRegistryImport:
+    """A meta-path finder that registers the models right after vLLM's registry module runs."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != REGISTRY:
+            return None
+        sys.meta_path.remove(self)
+        from importlib.util import find_spec
+
+        spec = find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            _register_models(module)
+
+        spec.loader.exec_module = exec_then_register
+        return spec
 
 
 def register(eager: bool = False) -> None:
@@ -68,5 +91,7 @@ def register(eager: bool = False) -> None:
     EngineArgs.from_cli_args = classmethod(from_cli)
     if eager:
         from vllm import ModelRegistry  # noqa: F401 - imports vllm.model_executor.models.registry
-    if "vllm.model_executor.models.registry" in sys.modules:
-        _register_models()
+    if REGISTRY in sys.modules:
+        _register_models(sys.modules[REGISTRY])
+    else:
+        sys.meta_path.insert(0, _AfterRegistryImport())

@@ -30,12 +30,19 @@ import vllm
 {pre}
 if {collect}:
     gc.collect()  # see sample(): start every hook from the same collector state
+if {count}:
+    gc.disable()  # count the hook's tracked allocations (no collection resets the counter)
+collections = [g["collections"] for g in gc.get_stats()]
+allocated = gc.get_count()[0]
 before = set(sys.modules)
 t0 = time.perf_counter()
 {hook}
 t1 = time.perf_counter()
+allocated = gc.get_count()[0] - allocated
+collected = [g["collections"] for g in gc.get_stats()] != collections
 added = sorted(m for m in set(sys.modules) - before if not m.startswith(("patchkit", "afd_patches")))
-print("PROBE " + json.dumps({{"ms": (t1 - t0) * 1000, "added": added}}))
+print("PROBE " + json.dumps({{"ms": (t1 - t0) * 1000, "added": added, "allocated": allocated,
+                              "collected": collected}}))
 """
 
 HOOKS = {
@@ -49,7 +56,7 @@ HOOKS = {
 }
 
 
-def sample(hook: str, pre: str, cache_dir: str, collect: bool = False) -> dict:
+def sample(hook: str, pre: str, cache_dir: str, collect: bool = False, count: bool = False) -> dict:
     """Time ``hook`` in a fresh process after ``import vllm`` and ``pre``.
 
     ``collect``: run ``gc.collect()`` first. After ``import vllm`` the collector
@@ -57,8 +64,12 @@ def sample(hook: str, pre: str, cache_dir: str, collect: bool = False) -> dict:
     here), so whichever hook allocates more than that pays it, although vLLM
     would pay the same collection a moment later anyway. Collecting first
     measures the hook's own work; without it the figure is "as found".
+    ``count``: also collect first, then switch the collector off, so that
+    ``allocated`` is the number of tracked objects the hook created (the
+    figure that decides whether it tips the collector over).
+    The result also says whether a collection ran during the hook (``collected``).
     """
-    code = PROBE.format(pre=pre, hook=hook, collect=collect)
+    code = PROBE.format(pre=pre, hook=hook, collect=collect or count, count=count)
     env = {**os.environ, "PATCHKIT_CACHE_DIR": cache_dir, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     env.pop("PATCHKIT_REPORT_DIR", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -4,8 +4,9 @@
    (the same changes in plain Python), median of N fresh processes, in the front-end
    situation (``vllm.engine.arg_utils`` imported, so both apply their patches now);
    each with the garbage collector as ``import vllm`` left it and after ``gc.collect()``
-   (see ``hook_cost.sample``), plus the hand-written plugin registering its models the
-   way vLLM's plugin docs show (importing ``ModelRegistry`` in the hook).
+   (see ``hook_cost.sample``), and the number of tracked objects each hook creates,
+   plus the hand-written plugin registering its models the way vLLM's plugin docs
+   show (importing ``ModelRegistry`` in the hook).
 2. Call overhead of replace / wrap entries (``call_overhead.py``).
 3. ``patchkit check`` on the whole installed vLLM tree vs a naive parse (``check_speed.py``).
 4. AFD 1A1F vs plain vLLM decode tokens/s (``afd_throughput.py``).
@@ -47,11 +48,12 @@ def main() -> None:
         for _ in range(args.runs):  # interleaved, so every variant sees the same machine
             for (hook, collect), out in ms.items():
                 out.append(sample(HOOKS[hook], FRONT_END, cache, collect=collect)["ms"])
+        allocated = {h: sample(HOOKS[h], FRONT_END, cache, count=True)["allocated"] for h in HOOKS}
     med = {k: statistics.median(v) for k, v in ms.items()}
     print(f"== hook cost per process, front end, median of {args.runs} fresh processes each (ms)")
-    print(f"{'hook':28} {'gc as found':>12} {'gc collected first':>19}")
+    print(f"{'hook':28} {'gc as found':>12} {'gc collected first':>19} {'tracked objects made':>21}")
     for hook in HOOKS:
-        print(f"{hook:28} {med[hook, False]:12.2f} {med[hook, True]:19.2f}")
+        print(f"{hook:28} {med[hook, False]:12.2f} {med[hook, True]:19.2f} {allocated[hook]:21d}")
     for collect, label in ((False, "gc as found"), (True, "gc collected first")):
         ratio = med["patchkit", collect] / med["hand-written", collect]
         print(f"ratio patchkit / hand-written, {label}: {ratio:.2f}x  (goal <= 1.5x and <= 5 ms)")

@@ -13,7 +13,8 @@ else ``~/.cache/patchkit``. Writes are atomic (temp file + rename), so
 concurrent processes at worst compute the same plan twice. An unwritable or
 corrupt cache is ignored, never fatal, and so is a cache file that another user owns
 or that group/others may write (the cache is trusted input: a plan names callables).
-Fingerprints of live objects and compiled wrappers are cached the same way (``CodeCache``).
+Fingerprints of live objects and compiled wrappers are cached the same way (``CodeCache``),
+and so are replay programs (``patchkit.replay``), under the same key as the plan.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import tempfile
 from importlib.util import MAGIC_NUMBER
 from pathlib import Path
 from types import CodeType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from patchkit import resources
-from patchkit.planning import Compiled, Runtime
+
+if TYPE_CHECKING:
+    from patchkit.planning import Compiled, Runtime
 
 FORMAT = "patchkit-plan-3"
 
@@ -53,14 +56,34 @@ def manifest_files(directory: Path) -> list[Path]:
     return [directory / n for n in names]
 
 
-def _key(files: list[Path], runtime: Runtime) -> str:
+def key(files: list[Path], vllm_version: str | None, vllm_commit: str | None) -> str:
+    """The cache key of everything that can change a compiled plan (or a replay program)."""
     h = hashlib.sha256(FORMAT.encode())
     for p in [*files, resources.schema_path("manifest.schema.json")]:
         # The content, not size + mtime: reproducible builds and `cp -p` keep mtimes, and an edit
         # of one fingerprint digit keeps the size, so size + mtime can name a stale plan.
-        h.update(f"{p}|{hashlib.sha256(p.read_bytes()).hexdigest()}\n".encode())
-    h.update(f"{runtime.vllm_version}|{runtime.vllm_commit}|{python_tag()}".encode())
+        with open(p, "rb") as f:
+            h.update(f"{p}|{hashlib.sha256(f.read()).hexdigest()}\n".encode())
+    h.update(f"{vllm_version}|{vllm_commit}|{python_tag()}".encode())
     return h.hexdigest()[:32]
+
+
+def installed_vllm() -> tuple[str | None, str | None]:
+    """(version, commit) as the installed vLLM reports them, unnormalized (None where absent).
+
+    ``planning.Runtime.detect`` normalizes these; the cache keys on them as they are.
+    """
+    try:
+        import vllm
+    except ImportError:
+        return None, None
+    try:
+        from vllm import _version as version_module
+
+        commit = getattr(version_module, "__commit_id__", None)
+    except ImportError:
+        commit = None
+    return getattr(vllm, "__version__", None), commit if isinstance(commit, str) else None
 
 
 def python_tag() -> str:
@@ -68,12 +91,19 @@ def python_tag() -> str:
 
 
 def _read_json(path: Path) -> Any:
+    data = read_trusted(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            if not _trusted(os.fstat(f.fileno())):
-                return None
-            return json.load(f)
-    except (OSError, ValueError):
+        return json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+
+
+def read_trusted(path: Path) -> bytes | None:
+    """The file's bytes if it exists and passes the ownership check, else None."""
+    try:
+        with open(path, "rb") as f:
+            return f.read() if _trusted(os.fstat(f.fileno())) else None
+    except OSError:
         return None
 
 
@@ -86,21 +116,31 @@ def _trusted(st: os.stat_result) -> bool:
 
 
 def _write_json(path: Path, data: Any) -> None:
+    write_atomic(path, json.dumps(data).encode())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (mode 0600) via a temp file + rename; OSError is ignored."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except OSError:
         pass
 
 
-def compiled(directory: Path, runtime: Runtime) -> Compiled:
-    """Cached ``compile_plan`` for every manifest in ``directory``."""
+def compiled(directory: Path, runtime: Runtime, plan_key: str | None = None) -> Compiled:
+    """Cached ``compile_plan`` for every manifest in ``directory``.
+
+    ``plan_key``: ``key(...)`` of those files, when the caller already computed it.
+    """
+    from patchkit.planning import Compiled
+
     files = manifest_files(directory)
-    key = _key(files, runtime)
-    path = cache_dir() / f"plan-{key}.json"
+    plan_key = plan_key or key(files, runtime.vllm_version, runtime.vllm_commit)
+    path = cache_dir() / f"plan-{plan_key}.json"
     data = _read_json(path)
     if isinstance(data, dict) and data.get("format") == FORMAT:
         try:
@@ -112,6 +152,23 @@ def compiled(directory: Path, runtime: Runtime) -> Compiled:
     result = compile_plan(files, runtime)
     _write_json(path, {"format": FORMAT, "plan": result.to_json()})
     return result
+
+
+def code_key(obj: Any) -> str | None:
+    """``file|size|mtime_ns|first line|qualname`` of the code under ``obj`` (through ``__func__``
+    and ``__wrapped__``): the same key means the same source, so the same fingerprint."""
+    import inspect
+
+    obj = getattr(obj, "__func__", obj)
+    obj = inspect.unwrap(obj) if callable(obj) else obj
+    code = getattr(obj, "__code__", None)
+    if code is None:
+        return None
+    try:
+        st = os.stat(code.co_filename)
+    except OSError:
+        return None
+    return f"{code.co_filename}|{st.st_size}|{st.st_mtime_ns}|{code.co_firstlineno}|{code.co_qualname}"
 
 
 class CodeCache:
@@ -129,21 +186,6 @@ class CodeCache:
         self._path = cache_dir() / "code-cache.json"
         self._data: dict[str, str] | None = None
         self._dirty = False
-
-    @staticmethod
-    def key_of(obj: Any) -> str | None:
-        import inspect
-
-        obj = getattr(obj, "__func__", obj)
-        obj = inspect.unwrap(obj) if callable(obj) else obj
-        code = getattr(obj, "__code__", None)
-        if code is None:
-            return None
-        try:
-            st = os.stat(code.co_filename)
-        except OSError:
-            return None
-        return f"{code.co_filename}|{st.st_size}|{st.st_mtime_ns}|{code.co_firstlineno}|{code.co_qualname}"
 
     def get(self, key: str) -> str | None:
         if self._data is None:

@@ -23,20 +23,20 @@ before the swap are not reachable (see ``rebind``).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from types import FunctionType, ModuleType
+from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
 from patchkit import importhook
-from patchkit.cache import CodeCache
+from patchkit.cache import CodeCache, code_key
 from patchkit.errors import PatchError
 from patchkit.planning import Compiled, Entry, Manifest, Runtime, runtime_verdict
+from patchkit.replay import Step, new_wrapper
 from patchkit.targets import Slot, TargetMissing, import_ref, unwrap_descriptor
 
 logger = logging.getLogger("patchkit")
@@ -88,30 +88,28 @@ def make_wrapper(factory: Callable[..., Any], original: Callable[..., Any], mark
     """``patched(...) == factory(original, ...)``, looking like ``original``.
 
     For a Python function the wrapper is generated with ``original``'s own
-    parameter list (read from its code object), so a call costs what a
-    hand-written closure costs (no ``*args``/``**kwargs`` packing). Any other
-    callable (a builtin, a ``functools.partial``, a callable instance) gets
-    ``*args, **kwargs``. ``codes`` keeps the compiled wrapper across processes
-    (compiling costs ~0.1 ms a wrapper, paid by every vLLM process otherwise).
+    parameter list (read from its code object; the defaults are ``original``'s
+    own objects), so a call costs what a hand-written closure costs (no
+    ``*args``/``**kwargs`` packing). Any other callable (a builtin, a
+    ``functools.partial``, a callable instance) gets ``*args, **kwargs``.
+    ``codes`` keeps the compiled wrapper across processes (compiling costs
+    ~0.1 ms a wrapper, paid by every vLLM process otherwise).
     """
-    params, forward, namespace = _signature_source(original)
+    params, forward = _signature_source(original)
     source = f"def patched({params}):\n    return factory(original{forward})\n"
     filename = f"<patchkit wrapper {marker[1]}>"
-    code = codes.compiled(source, filename) if codes is not None else compile(source, filename, "exec")
-    namespace.update(factory=factory, original=original)
-    exec(code, namespace)
-    patched = namespace["patched"]
-    functools.update_wrapper(patched, original)
-    patched.__patchkit__ = marker
-    return patched
+    module_code = codes.compiled(source, filename) if codes is not None else compile(source, filename, "exec")
+    code = next(c for c in module_code.co_consts if isinstance(c, CodeType))
+    return new_wrapper(code, factory, original, marker)
 
 
 _CO_VARARGS, _CO_VARKEYWORDS = 0x04, 0x08  # inspect.CO_VARARGS / CO_VARKEYWORDS
 
 
-def _signature_source(func: Callable[..., Any]) -> tuple[str, str, dict[str, Any]]:
-    """(parameter list, forwarded arguments, namespace holding the defaults) for ``func``."""
-    generic = ("*args, **kwargs", ", *args, **kwargs", {})
+def _signature_source(func: Callable[..., Any]) -> tuple[str, str]:
+    """(parameter list, forwarded arguments) for ``func``, without defaults (``new_wrapper``
+    gives the wrapper ``func``'s own default objects)."""
+    generic = ("*args, **kwargs", ", *args, **kwargs")
     code = getattr(func, "__code__", None)
     if not isinstance(func, FunctionType) or code is None:
         return generic
@@ -122,20 +120,10 @@ def _signature_source(func: Callable[..., Any]) -> tuple[str, str, dict[str, Any
     every = [*names[: npos + nkw], *(n for n in (star, starstar) if n)]
     if any(n in ("factory", "original") or not n.isidentifier() for n in every):
         return generic
-    defaults = func.__defaults__ or ()
-    default_of = {**dict(zip(names[npos - len(defaults) : npos], defaults, strict=True)), **(func.__kwdefaults__ or {})}
-    namespace: dict[str, Any] = {}
     params: list[str] = []
     forward: list[str] = []
-
-    def param(i: int, name: str) -> str:
-        if name not in default_of:
-            return name
-        namespace[f"_default{i}"] = default_of[name]
-        return f"{name}=_default{i}"
-
     for i, name in enumerate(names[:npos]):
-        params.append(param(i, name))
+        params.append(name)
         forward.append(name)
         if i + 1 == code.co_posonlyargcount:
             params.append("/")
@@ -144,13 +132,13 @@ def _signature_source(func: Callable[..., Any]) -> tuple[str, str, dict[str, Any
         forward.append("*" + star)
     elif nkw:
         params.append("*")
-    for i, name in enumerate(names[npos : npos + nkw], start=npos):
-        params.append(param(i, name))
+    for name in names[npos : npos + nkw]:
+        params.append(name)
         forward.append(f"{name}={name}")
     if starstar:
         params.append("**" + starstar)
         forward.append("**" + starstar)
-    return ", ".join(params), "".join(", " + f for f in forward), namespace
+    return ", ".join(params), "".join(", " + f for f in forward)
 
 
 class Run:
@@ -177,8 +165,21 @@ class Run:
         self._callbacks: list[importhook.Callback] = []
         self._codes = CodeCache()
         self._on_change = on_change
+        self.replayed = False  # adopted entries a replay program installed
 
     # -- scheduling -------------------------------------------------------------------------
+    def adopt(self, steps: list[Step]) -> None:
+        """Take over the entries a replay program installed in this process (call before ``start``)."""
+        with self._lock:
+            self.replayed = bool(steps)
+            for entry_id, owner, name, original, installed, seconds, verdict in steps:
+                record = self.records[entry_id]
+                record.slot = Slot(owner, name, record.target)
+                record.original, record.installed = original, installed
+                record.outcome, record.fingerprint, record.seconds = "applied", verdict, seconds
+                _LIVE[(self.plugin, entry_id)] = installed
+                self._stack.append(record)
+
     def start(self) -> None:
         """Decide guards, apply what can be applied now, hook the rest. Raises PatchError."""
         disabled = {s.strip() for s in os.environ.get("PATCHKIT_DISABLE", "").split(",") if s.strip()}
@@ -187,6 +188,8 @@ class Run:
             self.status = "active"
             modules: list[str] = []
             for entry_id, record in self.records.items():
+                if record.outcome != "pending":  # adopted from a replay
+                    continue
                 entry = self.entries.get(entry_id)
                 when = entry.when if entry else self._model(entry_id).when
                 reason = self.compiled.static.get(entry_id) or runtime_verdict(when, self.runtime)
@@ -323,7 +326,7 @@ class Run:
                 raise _Skip("guarded-out", f"probe has_param: {entry.target} lacks {', '.join(missing)}")
 
     def _fingerprint_of(self, func: Any) -> str | None:
-        key = CodeCache.key_of(func)
+        key = code_key(func)
         cached = self._codes.get(key) if key else None
         if cached:
             return cached
@@ -417,7 +420,7 @@ class Run:
     def report(self) -> dict[str, Any]:
         return {
             "plugin": self.plugin, "manifest": os.path.basename(self.manifest.file),
-            "digest": self.compiled.digest, "status": self.status,
+            "digest": self.compiled.digest, "status": self.status, "replayed": self.replayed,
             "error": str(self.error) if self.error else None,
             "vllm": {"version": self.runtime.vllm_version, "commit": self.runtime.vllm_commit},
             "entries": [r.to_json() for r in self.records.values()],

@@ -157,19 +157,12 @@ class Runtime:
     @classmethod
     def detect(cls) -> Runtime:
         """Read the running vLLM (imports ``vllm``, which a plugin hook has already done)."""
-        try:
-            import vllm
-        except ImportError:
-            return cls(None, None)
-        version = getattr(vllm, "__version__", None)
-        try:
-            from vllm import _version as version_module
+        from patchkit.cache import installed_vllm
 
-            commit = getattr(version_module, "__commit_id__", None)
-        except ImportError:
-            commit = None
-        return cls(version, normalize_commit(commit) if isinstance(commit, str) else None,
-                   platform_probe=_vllm_platform)
+        version, commit = installed_vllm()
+        if version is None and commit is None:
+            return cls(None, None)
+        return cls(version, normalize_commit(commit) if commit else None, platform_probe=_vllm_platform)
 
 
 def normalize_commit(value: str) -> str | None:

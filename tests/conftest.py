@@ -45,7 +45,9 @@ def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callabl
     yield write
     patchkit.revert()
     for name in set(sys.modules) - before:
-        del sys.modules[name]
+        # only the throwaway packages: patchkit's own lazily imported modules stay, as in a real process
+        if not name.startswith("patchkit"):
+            del sys.modules[name]
 
 
 @pytest.fixture
