@@ -131,6 +131,8 @@ def apply(program: dict[str, Any], plugin: str, runtime: Runtime | None) -> list
         except Exception:  # noqa: BLE001 - the engine will report it, naming the entry
             return None
         if kind == "replace":
+            if func is target:
+                return None  # already replaced: the engine reports it
             new = target
         elif not callable(func) or not callable(target):
             return None
