@@ -35,6 +35,14 @@ __all__ = [
 ]
 
 logger = logging.getLogger("patchkit")
+_PACKAGE_DIR = Path(__file__).parent
+
+
+def schema_path(name: str) -> Path:
+    """A shipped JSON Schema, e.g. ``manifest.schema.json``: ``patchkit/_schemas/`` in a wheel,
+    the repository's ``schemas/`` in a checkout or editable install (looked up here only)."""
+    packaged = _PACKAGE_DIR / "_schemas"
+    return (packaged if packaged.is_dir() else _PACKAGE_DIR.parent / "schemas") / name
 _lock = threading.RLock()
 _status: dict[str, Status] = {}
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
-from patchkit import resources
+from patchkit import schema_path
 
 if TYPE_CHECKING:
     from patchkit.planning import Compiled, Runtime
@@ -59,10 +59,10 @@ def manifest_files(directory: Path) -> list[Path]:
 def key(files: list[Path], vllm_version: str | None, vllm_commit: str | None) -> str:
     """The cache key of everything that can change a compiled plan (or a replay program)."""
     h = hashlib.sha256(FORMAT.encode())
-    for p in [*files, resources.schema_path("manifest.schema.json")]:
+    for p in [*files, schema_path("manifest.schema.json")]:
         # The content, not size + mtime: reproducible builds and `cp -p` keep mtimes, and an edit
         # of one fingerprint digit keeps the size, so size + mtime can name a stale plan.
-        with open(p, "rb") as f:
+        with open(p, "rb", buffering=0) as f:
             h.update(f"{p}|{hashlib.sha256(f.read()).hexdigest()}\n".encode())
     h.update(f"{vllm_version}|{vllm_commit}|{python_tag()}".encode())
     return h.hexdigest()[:32]

@@ -21,7 +21,7 @@ import pathlib
 from functools import cache
 from typing import Any
 
-from patchkit import resources
+from patchkit import schema_path
 from patchkit.errors import FieldPath, ManifestError, Problem, field_name
 from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
 
@@ -30,7 +30,7 @@ from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistrati
 def _validator() -> Any:
     import jsonschema
 
-    schema = json.loads(resources.schema_path("manifest.schema.json").read_text())
+    schema = json.loads(schema_path("manifest.schema.json").read_text())
     return jsonschema.Draft202012Validator(schema)
 
 
