@@ -17,6 +17,10 @@ Guarantees:
 - *Reversible*: ``revert()`` restores the originals, including rebound aliases.
   An attribute that someone else changed after us is left alone and reported.
 
+A ``Run`` can also *adopt* the entries a replay program installed
+(``patchkit.replay``) and carry on from there: it then owns them as if it had
+applied them (records, rollback, revert), and applies the rest as usual.
+
 Limits: an entry is applied once per process; references taken to the original
 before the swap are not reachable (see ``rebind``).
 """
