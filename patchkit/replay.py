@@ -148,7 +148,7 @@ def apply(program: dict[str, Any], plugin: str, runtime: Runtime | None) -> list
         started = time.perf_counter()
         try:
             setattr(owner, step[3], new)
-        except (AttributeError, TypeError):
+        except Exception:  # noqa: BLE001 - whatever a metaclass raises: put back, let the engine report
             undo(done)
             return None
         done.append((step[0], owner, step[3], raw, new, seconds + time.perf_counter() - started, step[10]))
