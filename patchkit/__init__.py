@@ -12,14 +12,18 @@ Public API (everything a plugin needs; the rest is internal):
 - ``applied(plugin=None)`` — the per-entry records of this process.
 - ``revert(plugin=None)`` — restore everything (for tests).
 
-Importing patchkit is cheap: YAML and JSON Schema are only imported when a
-manifest changed since the cached compiled plan was written.
+Importing patchkit is cheap: a process that can replay a stored program loads
+only ``patchkit.importhook`` and ``patchkit.replay`` besides this module; YAML
+and JSON Schema are only imported when a manifest changed since the cached
+compiled plan was written.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -38,11 +42,110 @@ logger = logging.getLogger("patchkit")
 _PACKAGE_DIR = Path(__file__).parent
 
 
+# -- the ground floor: where patchkit's files are, whom it trusts, what runs -----------------------
+# Every process needs these before it knows whether it can replay, so they live here rather
+# than in a module of their own (each module is another import in every vLLM process).
+# The cache directory is ``$PATCHKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/patchkit``, else
+# ``~/.cache/patchkit``; it holds compiled plans and the code cache (``patchkit.plancache``)
+# and replay programs (``patchkit.replay``). Everything in it names code to run, so a file is
+# read only if this user (or root) owns it and nobody else may write it; files are written
+# 0600 through a temp file and a rename, so concurrent processes at worst compute the same
+# thing twice. An unwritable or corrupt cache is ignored, never fatal.
+
+
 def schema_path(name: str) -> Path:
     """A shipped JSON Schema, e.g. ``manifest.schema.json``: ``patchkit/_schemas/`` in a wheel,
     the repository's ``schemas/`` in a checkout or editable install (looked up here only)."""
     packaged = _PACKAGE_DIR / "_schemas"
     return (packaged if packaged.is_dir() else _PACKAGE_DIR.parent / "schemas") / name
+
+
+def cache_dir() -> Path:
+    if os.environ.get("PATCHKIT_CACHE_DIR"):
+        return Path(os.environ["PATCHKIT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "patchkit"
+
+
+def manifest_files(directory: Path) -> list[Path]:
+    """The ``*.yaml`` files directly in ``directory``, sorted by name."""
+    try:
+        with os.scandir(directory) as it:
+            names = sorted(e.name for e in it if e.name.endswith(".yaml") and e.is_file())
+    except OSError:
+        return []
+    return [directory / n for n in names]
+
+
+def installed_vllm() -> tuple[str | None, str | None]:
+    """(version, commit) as the installed vLLM reports them, unnormalized (None where absent).
+
+    ``planning.Runtime.detect`` normalizes these; the caches key on them as they are.
+    """
+    try:
+        import vllm
+    except ImportError:
+        return None, None
+    try:
+        from vllm import _version as version_module
+
+        commit = getattr(version_module, "__commit_id__", None)
+    except ImportError:
+        commit = None
+    return getattr(vllm, "__version__", None), commit if isinstance(commit, str) else None
+
+
+def python_tag() -> str:
+    return f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}.{sys.version_info[2]}"
+
+
+def read_trusted(path: Path) -> bytes | None:
+    """The file's bytes if it exists and passes the ownership check, else None."""
+    try:
+        with open(path, "rb") as f:
+            return f.read() if _trusted(os.fstat(f.fileno())) else None
+    except OSError:
+        return None
+
+
+def _trusted(st: os.stat_result) -> bool:
+    """Only a file that this user (or root) owns and that nobody else may rewrite.
+    Files written here are 0600 (mkstemp), so they pass."""
+    if not hasattr(os, "getuid"):
+        return True
+    return st.st_uid in (0, os.getuid()) and not st.st_mode & 0o022
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (mode 0600) via a temp file + rename; OSError is ignored."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def code_key(obj: Any) -> str | None:
+    """``file|size|mtime_ns|first line|qualname`` of the code under ``obj`` (through ``__func__``
+    and ``__wrapped__``): the same key means the same source, so the same fingerprint."""
+    import inspect
+
+    obj = getattr(obj, "__func__", obj)
+    obj = inspect.unwrap(obj) if callable(obj) else obj
+    code = getattr(obj, "__code__", None)
+    if code is None:
+        return None
+    try:
+        st = os.stat(code.co_filename)
+    except OSError:
+        return None
+    return f"{code.co_filename}|{st.st_size}|{st.st_mtime_ns}|{code.co_firstlineno}|{code.co_qualname}"
+
+
+# -- the public API ---------------------------------------------------------------------------------
 _lock = threading.RLock()
 _status: dict[str, Status] = {}
 
@@ -93,21 +196,19 @@ def activate(plugin: str, manifest_dir: str | Path, runtime: RuntimeInfo | None 
     whose situation has a stored replay program repeats it (``patchkit.replay``);
     any other runs the engine, which records a program for the next one.
     """
-    from patchkit import cache
-
     with _lock:
         current = _status.get(plugin)
         if current is not None and (current.active or current.run is None):
             return current
         manifest_dir = Path(manifest_dir)
-        files = cache.manifest_files(manifest_dir)
-        identity = (runtime.vllm_version, runtime.vllm_commit) if runtime else cache.installed_vllm()
-        key = cache.key(files, *identity)
-        if not os.environ.get("PATCHKIT_DISABLE"):
-            replayed = _replay(plugin, manifest_dir, runtime, key)
-            if replayed is not None:
-                return replayed
-        return _start(plugin, manifest_dir, runtime, key)
+        if os.environ.get("PATCHKIT_DISABLE"):
+            return _start(plugin, manifest_dir, runtime, None)
+        from patchkit import replay
+
+        identity = (runtime.vllm_version, runtime.vllm_commit) if runtime else installed_vllm()
+        key = replay.key(manifest_dir, *identity)
+        replayed = _replay(plugin, manifest_dir, runtime, key) if key is not None else None
+        return replayed if replayed is not None else _start(plugin, manifest_dir, runtime, key)
 
 
 def _replay(plugin: str, manifest_dir: Path, runtime: RuntimeInfo | None, key: str) -> Status | None:
@@ -128,7 +229,8 @@ def _replay(plugin: str, manifest_dir: Path, runtime: RuntimeInfo | None, key: s
             from patchkit import importhook
 
             importhook.cancel(takeover)
-            if _start(plugin, manifest_dir, runtime, key, adopt=(steps, program["digest"]), status=result)._run is None:
+            adopted = _start(plugin, manifest_dir, runtime, None, adopt=(steps, program["digest"]), status=result)
+            if adopted._run is None:
                 replay.undo(steps)  # the plan under this key no longer selects a manifest
 
     result._takeover = takeover
@@ -138,16 +240,19 @@ def _replay(plugin: str, manifest_dir: Path, runtime: RuntimeInfo | None, key: s
     return result
 
 
-def _start(plugin: str, manifest_dir: Path, runtime: RuntimeInfo | None, key: str,
+def _start(plugin: str, manifest_dir: Path, runtime: RuntimeInfo | None, replay_key: str | None,
            adopt: tuple[list[Any], str] | None = None, status: Status | None = None) -> Status:
-    """Run the engine: compile (or read) the plan and apply it; ``adopt``: take over a replay first."""
-    from patchkit import cache, engine, replay
+    """Run the engine: compile (or read) the plan and apply it; ``adopt``: take over a replay first.
+
+    ``replay_key``: where to record a replay program for this situation (None: record none).
+    """
+    from patchkit import engine, plancache, replay
     from patchkit.errors import ManifestError, PatchError
     from patchkit.planning import Runtime
 
     runtime = runtime or Runtime.detect()
     try:
-        compiled = cache.compiled(manifest_dir, runtime, key)
+        compiled = plancache.compiled(manifest_dir, runtime)
     except ManifestError as exc:
         logger.error("patchkit: %s: invalid manifest, nothing applied:\n%s", plugin, exc)
         return _remember(Status(plugin, False, f"invalid manifest:\n{exc}", ""), status)
@@ -166,8 +271,10 @@ def _start(plugin: str, manifest_dir: Path, runtime: RuntimeInfo | None, key: st
         run.start()
     except PatchError as exc:
         result.active, result.problem = False, str(exc)
-    if adopt is None and result.active:
-        replay.store(key, run)
+    if replay_key is not None and result.active:
+        from patchkit import recording
+
+        recording.store(replay_key, run)
     return result
 
 

@@ -53,7 +53,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from patchkit import cache, fingerprint
+    from patchkit import fingerprint, manifest_files
     from patchkit.planning import Runtime, runtime_verdict
     from patchkit.selection import compile_plan
     from patchkit.targets import Slot, TargetMissing, unwrap_descriptor
@@ -69,7 +69,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"platform {runtime.platform} python {runtime.python}")
     status = 0
     for plugin, directory in dirs.items():
-        compiled = compile_plan(cache.manifest_files(directory), runtime)
+        compiled = compile_plan(manifest_files(directory), runtime)
         if compiled.manifest is None:
             print(f"{plugin}: {compiled.error}")
             status = 1

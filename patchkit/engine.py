@@ -36,9 +36,9 @@ from collections.abc import Callable
 from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
-from patchkit import importhook
-from patchkit.cache import CodeCache, code_key
+from patchkit import code_key, importhook
 from patchkit.errors import PatchError
+from patchkit.plancache import CodeCache
 from patchkit.planning import Compiled, Entry, Manifest, Runtime, runtime_verdict
 from patchkit.replay import Step, new_wrapper
 from patchkit.targets import Slot, TargetMissing, import_ref, unwrap_descriptor

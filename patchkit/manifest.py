@@ -11,7 +11,7 @@ A file that fails any check yields a ``ManifestError`` listing every problem; no
 object is imported while reading, so a bad manifest patches nothing.
 
 This module imports ``yaml`` and ``jsonschema``; the runtime hot path avoids it
-by reading a compiled plan from ``patchkit.cache``.
+by reading a compiled plan from ``patchkit.plancache``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The plan's data (entries, models, the compiled plan) and the running vLLM it is judged against.
 
 The data classes are what ``patchkit.manifest`` builds from validated YAML and
-what ``patchkit.cache`` stores as JSON, so the plugin hook in every vLLM process
+what ``patchkit.plancache`` stores as JSON, so the plugin hook in every vLLM process
 needs this module but not the YAML and JSON Schema machinery, nor
 ``patchkit.selection`` (choosing and ordering, done when the cache misses).
 Guards that can differ between processes of one installation (platform,
@@ -157,7 +157,7 @@ class Runtime:
     @classmethod
     def detect(cls) -> Runtime:
         """Read the running vLLM (imports ``vllm``, which a plugin hook has already done)."""
-        from patchkit.cache import installed_vllm
+        from patchkit import installed_vllm
 
         version, commit = installed_vllm()
         if version is None and commit is None:

@@ -1,13 +1,13 @@
 """Replay: the warm path's short cut, a plan application recorded once, then checked and repeated.
 
-When the full engine (``patchkit.engine``) has started a plan, ``record`` writes
-down what it did at once, for the entries whose modules were already imported:
-where each target lives, what was there (descriptor kind, and the source key
-the fingerprint cache uses: same key, same source, same fingerprint), and what
-went in (the wrapper's compiled code, the name of the ``with`` callable). The
-program is stored beside the compiled plan, under the same key (manifest
-contents, schema, vLLM version and commit, Python), one per *situation*: which
-of the plan's modules were imported and which were not.
+When the full engine (``patchkit.engine``) has started a plan,
+``patchkit.recording`` writes down what it did at once, for the entries whose
+modules were already imported: where each target lives, what was there
+(descriptor kind, and the source key the fingerprint cache uses: same key, same
+source, same fingerprint), and what went in (the wrapper's compiled code, the
+name of the ``with`` callable). Programs are stored in the cache directory under
+``key(...)`` of the inputs, one per *situation*: which of the plan's modules were
+imported and which were not.
 
 ``apply`` repeats a program in a later process of the same situation in two
 phases. First it checks everything the engine would check — the owner and the
@@ -22,18 +22,18 @@ registrations) is not replayed: ``defer`` hands the plan to the engine at the
 first such import (``engine.Run.adopt`` takes over what was installed). vLLM is
 importing one of its own modules then, so the engine's import cost is not seen.
 
-What gets recorded (otherwise there is no program, and the engine always runs):
-``wrap``, ``replace`` and ``workers`` entries on class attributes (functions,
-``staticmethod``, ``classmethod``) without ``when`` guards, applied at once, and
-model registrations that wait for vLLM's registry. ``PATCHKIT_DISABLE`` turns
-replay off. Limit: the engine imports an entry's callable just before it applies
-that entry; a replay imports all of them before it applies any.
+This module is the warm path of every vLLM process (with ``patchkit`` and
+``patchkit.importhook``): it imports nothing else of patchkit until it hands
+over. Limit: the engine imports an entry's callable
+just before it applies that entry; a replay imports all of them before it
+applies any.
 """
 
 from __future__ import annotations
 
 import builtins
 import functools
+import hashlib
 import marshal
 import os
 import sys
@@ -44,10 +44,11 @@ from importlib.util import MAGIC_NUMBER
 from types import CodeType, FunctionType
 from typing import TYPE_CHECKING, Any
 
-from patchkit import cache, importhook
+from patchkit import cache_dir, code_key, importhook, manifest_files, python_tag, read_trusted, schema_path
 
 if TYPE_CHECKING:
-    from patchkit.engine import Run
+    from pathlib import Path
+
     from patchkit.planning import Runtime
 
 FORMAT = "patchkit-replay-1"
@@ -73,17 +74,39 @@ def new_wrapper(code: CodeType, factory: Callable[..., Any], original: Any, mark
     return patched
 
 
-def _descriptor_name(raw: Any) -> str:
+def descriptor_name(raw: Any) -> str:
+    """``"staticmethod"`` / ``"classmethod"`` for exactly those types, else ``""``."""
     kind = type(raw)
     return kind.__name__ if kind in (staticmethod, classmethod) else ""
 
 
-def _path(key: str) -> Any:
-    return cache.cache_dir() / f"replay-{key}.bin"
+def key(directory: Path, vllm_version: str | None, vllm_commit: str | None) -> str | None:
+    """The programs' key for these inputs, from file metadata only (nothing is read or parsed).
+
+    Each manifest's and the schema's path, inode, size, mtime and ctime; the vLLM
+    version and commit; Python. Writing a file changes its ctime, which, unlike
+    its mtime (``cp -p``, reproducible builds, ``touch -d``), a user cannot set
+    back, so an edited manifest never finds an old program. None if a file
+    cannot be examined (then there is no replay).
+    """
+    h = hashlib.sha256(FORMAT.encode())
+    try:
+        for p in [*manifest_files(directory), schema_path("manifest.schema.json")]:
+            st = os.stat(p)
+            h.update(f"{p}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}\n".encode())
+    except OSError:
+        return None
+    h.update(f"{vllm_version}|{vllm_commit}|{python_tag()}".encode())
+    return h.hexdigest()[:32]
 
 
-def _programs(key: str) -> list[dict[str, Any]]:
-    data = cache.read_trusted(_path(key))
+def program_path(key: str) -> Path:
+    return cache_dir() / f"replay-{key}.bin"
+
+
+def programs(key: str) -> list[dict[str, Any]]:
+    """Every program stored under ``key`` (none if the file is missing, untrusted or damaged)."""
+    data = read_trusted(program_path(key))
     if data is None:
         return []
     try:
@@ -95,7 +118,7 @@ def _programs(key: str) -> list[dict[str, Any]]:
 
 def load(key: str) -> dict[str, Any] | None:
     """The stored program for this process's situation, or None."""
-    for program in _programs(key):
+    for program in programs(key):
         modules = sys.modules
         if all(m in modules for m in program["imported"]) and not any(m in modules for m in program["absent"]):
             return program
@@ -119,12 +142,12 @@ def apply(program: dict[str, Any], plugin: str, runtime: Runtime | None) -> list
         if first:
             raw = vars(owner).get(name, _MISSING)
         wrapper_of = _DESCRIPTORS.get(descriptor)
-        if raw is _MISSING or _descriptor_name(raw) != descriptor:
+        if raw is _MISSING or descriptor_name(raw) != descriptor:
             return None
         func = raw.__func__ if wrapper_of else raw
         if first and hasattr(func, "__patchkit__"):
             return None
-        if source_key is not None and cache.code_key(func) != source_key:
+        if source_key is not None and code_key(func) != source_key:
             return None
         try:
             target = _resolve(ref)
@@ -185,69 +208,3 @@ def defer(program: dict[str, Any], takeover: importhook.Callback) -> None:
     """Call ``takeover`` when the first module the program waits for is imported."""
     for module in program["absent"]:
         importhook.when_imported(module, takeover)
-
-
-# -- recording (after a full engine start; not on the warm path) ----------------------------------
-def store(key: str, run: Run) -> None:
-    """Record ``run``'s immediate application as the program for this situation, if it qualifies."""
-    program = record(run)
-    if program is None:
-        return
-    same = (program["imported"], program["absent"])
-    programs = [p for p in _programs(key) if (p["imported"], p["absent"]) != same]
-    cache.write_atomic(_path(key), marshal.dumps((FORMAT, MAGIC_NUMBER, [program, *programs])))
-
-
-def record(run: Run) -> dict[str, Any] | None:
-    """The program that repeats what ``run`` applied at start, or None if anything was unusual."""
-    from patchkit.targets import unwrap_descriptor
-    from patchkit.vllm_adapter import MODEL_REGISTRY_MODULE
-
-    if run.status != "active" or os.environ.get("PATCHKIT_DISABLE"):
-        return None
-    steps: list[tuple[Any, ...]] = []
-    installed: dict[tuple[int, str], Any] = {}
-    absent: list[str] = []
-    for entry_id, rec in run.records.items():
-        entry = run.entries.get(entry_id)
-        if rec.outcome == "pending":
-            module = entry.module if entry is not None else MODEL_REGISTRY_MODULE
-            if module in sys.modules and entry is None:
-                return None
-            if module not in sys.modules and module not in absent:
-                absent.append(module)
-            continue
-        if rec.outcome != "applied" or entry is None or rec.slot is None or not rec.slot.on_class:
-            return None
-        if entry.op not in ("wrap", "replace", "workers") or entry.when or run.compiled.static.get(entry_id):
-            return None
-        owner, name = rec.slot.owner, rec.slot.name
-        func, descriptor = unwrap_descriptor(rec.original)
-        if descriptor is not None and _descriptor_name(rec.original) == "":
-            return None  # a subclass of staticmethod or classmethod
-        previous = installed.get((id(owner), name), _MISSING)
-        if previous is _MISSING and hasattr(func, "__patchkit__"):
-            return None  # another plan's patch was there: its replay is its own affair
-        if previous is not _MISSING and previous is not rec.original:
-            return None
-        source_key = cache.code_key(func) if entry.fingerprint else None
-        if entry.fingerprint and (source_key is None or rec.fingerprint != "match"):
-            return None
-        new, _ = unwrap_descriptor(rec.installed)
-        code = None
-        if entry.op != "replace":
-            if not isinstance(new, FunctionType):
-                return None
-            code = new.__code__
-        ref = entry.workers["role_of"] if entry.op == "workers" and entry.workers else entry.with_
-        module_name, _, qualname = entry.target.partition(":")
-        *owner_path, attr = qualname.split(".")
-        if attr != name:
-            return None
-        steps.append((entry_id, module_name, tuple(owner_path), name, descriptor.__name__ if descriptor else "",
-                      source_key, entry.op, ref, entry.workers if entry.op == "workers" else None, code,
-                      rec.fingerprint))
-        installed[(id(owner), name)] = rec.installed
-    imported = tuple(dict.fromkeys(s[1] for s in steps))
-    return {"imported": imported, "absent": tuple(absent), "steps": tuple(steps),
-            "digest": run.compiled.digest, "supported": run.compiled.supported}

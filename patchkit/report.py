@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from patchkit.cache import _write_json
+from patchkit import write_atomic
 
 
 def process_role() -> str:
@@ -39,7 +39,7 @@ def write(report: dict[str, Any]) -> Path | None:
     if not directory:
         return None
     path = Path(directory) / f"{report['plugin']}-{os.getpid()}.json"
-    _write_json(path, {"pid": os.getpid(), "role": process_role(), **report})
+    write_atomic(path, json.dumps({"pid": os.getpid(), "role": process_role(), **report}).encode())
     return path
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import patchkit
-from patchkit import cache, cli, fingerprint, selection, vllm_adapter
+from patchkit import cache_dir, cli, fingerprint, plancache, selection, vllm_adapter
 from patchkit.planning import Runtime
 
 VICTIM = {
@@ -462,18 +462,18 @@ def test_compiled_plan_is_cached(victim, manifest_dir, runtime, monkeypatch):
 patches:
   - {id: loud, target: "victim.core:greet", op: wrap, with: "plug.patches:loud", why: t}
 """)
-    first = cache.compiled(d, runtime)
+    first = plancache.compiled(d, runtime)
 
     def no_compile(*args, **kwargs):
         raise AssertionError("the cached plan should have been used")
 
     monkeypatch.setattr(selection, "compile_plan", no_compile)
-    second = cache.compiled(d, runtime)
+    second = plancache.compiled(d, runtime)
     assert second.digest == first.digest and second.order == ["loud"]
     # editing the manifest invalidates the cache
     (d / "m.yaml").write_text((d / "m.yaml").read_text() + "\n# edited, longer\n")
     with pytest.raises(AssertionError, match="cached plan"):
-        cache.compiled(d, runtime)
+        plancache.compiled(d, runtime)
 
 
 def test_models_register_lazily_and_revert(sandbox, manifest_dir, runtime, monkeypatch):
@@ -602,21 +602,21 @@ def test_wrapper_code_is_compiled_once_then_read_from_the_cache(sandbox, monkeyp
     def add_one(orig, *args, **kwargs):
         return orig(*args, **kwargs) + 1
 
-    first = cache.CodeCache()
+    first = plancache.CodeCache()
     patched = make_wrapper(add_one, original, ("t", "e"), first)
     first.flush()
     assert patched(1) == 4 and patched.__code__.co_filename == "<patchkit wrapper e>"
     compiled: list[str] = []
     real_compile = compile
     monkeypatch.setattr("builtins.compile", lambda *a, **k: compiled.append(a[0]) or real_compile(*a, **k))
-    again = make_wrapper(add_one, original, ("t", "e"), cache.CodeCache())  # as a new process would
+    again = make_wrapper(add_one, original, ("t", "e"), plancache.CodeCache())  # as a new process would
     assert again(1, y=5) == 7 and compiled == []
     # a corrupt entry is compiled again, never trusted
-    path = cache.cache_dir() / "code-cache.json"
+    path = cache_dir() / "code-cache.json"
     data = json.loads(path.read_text())
     data = {k: ("!!not-base64!!" if k.startswith("code|") else v) for k, v in data.items()}
     path.write_text(json.dumps(data))
-    assert make_wrapper(add_one, original, ("t", "e"), cache.CodeCache())(2) == 5 and len(compiled) == 1
+    assert make_wrapper(add_one, original, ("t", "e"), plancache.CodeCache())(2) == 5 and len(compiled) == 1
 
 
 def test_non_function_callables_get_a_generic_wrapper():

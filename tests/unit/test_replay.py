@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import patchkit
-from patchkit import cache, fingerprint, importhook, replay
+from patchkit import cache_dir, fingerprint, importhook, recording, replay
 from patchkit.planning import Runtime
 from patchkit.vllm_adapter import MODEL_REGISTRY_MODULE
 
@@ -66,6 +66,9 @@ FILES = {
 
         def plus_one(original, x):
             return original(x) + 1
+
+        def plus_two(original, x):
+            return original(x) + 2
 
         def tagged(original, cls, tag="t"):
             return (*original(cls, tag), "tagged")
@@ -197,14 +200,14 @@ def test_another_situation_gets_its_own_program(plan, runtime):
     assert third.active and not third.replayed
     patchkit.revert()
     assert activate(plan, runtime).replayed
-    [key] = [p.name[len("replay-"):-len(".bin")] for p in cache.cache_dir().glob("replay-*.bin")]
-    assert len(replay._programs(key)) == 2
+    [key] = [p.name[len("replay-"):-len(".bin")] for p in cache_dir().glob("replay-*.bin")]
+    assert len(replay.programs(key)) == 2
 
 
 @pytest.mark.parametrize("damage", ["garbage", "group-writable", "wrong-format"])
 def test_a_damaged_or_untrusted_program_is_not_run(plan, runtime, damage):
     recorded_by_engine(plan, runtime)
-    [path] = cache.cache_dir().glob("replay-*.bin")
+    [path] = cache_dir().glob("replay-*.bin")
     if damage == "garbage":
         path.write_bytes(b"\x00not marshal")
     elif damage == "group-writable":
@@ -216,6 +219,23 @@ def test_a_damaged_or_untrusted_program_is_not_run(plan, runtime, damage):
     status = activate(plan, runtime)
     assert status.active and not status.replayed
     assert behaviour()["run"] == ("outer", 60)
+
+
+def test_an_edited_manifest_finds_no_old_program_even_with_size_and_mtime_put_back(plan, runtime):
+    recorded_by_engine(plan, runtime)
+    path = plan / "m.yaml"
+    before = path.stat()
+    edited = path.read_text().replace("rplug.patches:plus_one", "rplug.patches:plus_two")
+    assert len(edited) == len(path.read_text())
+    path.write_text(edited)  # as `cp -p` or a reproducible build would leave it: same size, same mtime
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+    status = activate(plan, runtime)
+    assert status.active and not status.replayed, "the ctime moved: the old program's key no longer fits"
+    assert behaviour()["double"] == 10
+    patchkit.revert()
+    again = activate(plan, runtime)
+    assert again.replayed and behaviour()["double"] == 10, "the engine recorded a program for the edit"
 
 
 def test_changed_source_falls_back_to_the_engine_which_judges_the_fingerprint(plan, runtime, sandbox):
@@ -261,7 +281,7 @@ def test_a_failing_install_restores_what_the_replay_had_installed(plan, runtime)
 
     recorded_by_engine(plan, runtime)
     untouched = dict(vars(core.Engine))
-    [key] = [p.name[len("replay-"):-len(".bin")] for p in cache.cache_dir().glob("replay-*.bin")]
+    [key] = [p.name[len("replay-"):-len(".bin")] for p in cache_dir().glob("replay-*.bin")]
     program = replay.load(key)
     assert program is not None
     core.Meta.frozen = True  # "make" cannot be set any more; it comes after run, outer and double
@@ -305,5 +325,39 @@ patches:
 """)
     status = activate(d, runtime)
     assert status.active and not status.replayed
-    assert replay.record(status.run) is None  # module attributes need rebinding: the engine's job
-    assert not list(cache.cache_dir().glob("replay-*.bin"))
+    assert recording.record(status.run) is None  # module attributes need rebinding: the engine's job
+    assert not list(cache_dir().glob("replay-*.bin"))
+
+
+WARM_PROCESS = """
+import sys
+from types import SimpleNamespace
+sys.path[:0] = [{src!r}, {repo!r}]
+import patchkit
+import rv.core  # the targets' module is imported, rv.late and the model registry are not: the front end
+before = set(sys.modules)
+status = patchkit.activate("rp", {plan!r}, {runtime})
+print(status.active, status.replayed, rv.core.Engine.double(4))
+print(" ".join(sorted(m for m in set(sys.modules) - before if m.startswith("patchkit"))))
+"""
+
+
+def test_a_replaying_process_loads_only_the_warm_path_modules(plan, sandbox, tmp_path):
+    import subprocess
+
+    src = str(sandbox({}))
+    repo = str(Path(patchkit.__file__).parents[1])
+
+    def process(runtime: str) -> list[str]:
+        code = WARM_PROCESS.format(src=src, repo=repo, plan=str(plan), runtime=runtime)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PATCHKIT_CACHE_DIR": str(tmp_path / "cache")})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    first = process('__import__("patchkit.planning").planning.Runtime("0.32.0", None, _platform="cpu")')
+    assert first[0] == "True False 9" and "patchkit.engine" in first[1].split()
+    # Only the identity is read before a replay; the engine (which would need a full Runtime) never runs.
+    second = process('SimpleNamespace(vllm_version="0.32.0", vllm_commit=None)')
+    assert second[0] == "True True 9"
+    assert second[1].split() == ["patchkit.importhook", "patchkit.replay"], second
