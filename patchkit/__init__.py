@@ -38,8 +38,7 @@ __all__ = [
     "activate", "applied", "revert", "status",
 ]
 
-logger = logging.getLogger("patchkit")
-_PACKAGE_DIR = Path(__file__).parent
+_PACKAGE_DIR = os.path.dirname(__file__)  # a str: a Path here costs every vLLM process ~50 µs
 
 
 # -- the ground floor: where patchkit's files are, whom it trusts, what runs -----------------------
@@ -56,8 +55,8 @@ _PACKAGE_DIR = Path(__file__).parent
 def schema_path(name: str) -> Path:
     """A shipped JSON Schema, e.g. ``manifest.schema.json``: ``patchkit/_schemas/`` in a wheel,
     the repository's ``schemas/`` in a checkout or editable install (looked up here only)."""
-    packaged = _PACKAGE_DIR / "_schemas"
-    return (packaged if packaged.is_dir() else _PACKAGE_DIR.parent / "schemas") / name
+    packaged = Path(_PACKAGE_DIR, "_schemas")
+    return (packaged if packaged.is_dir() else packaged.parent.parent / "schemas") / name
 
 
 def cache_dir() -> Path:
@@ -254,10 +253,10 @@ def _start(plugin: str, manifest_dir: Path, runtime: RuntimeInfo | None, replay_
     try:
         compiled = plancache.compiled(manifest_dir, runtime)
     except ManifestError as exc:
-        logger.error("patchkit: %s: invalid manifest, nothing applied:\n%s", plugin, exc)
+        logging.getLogger("patchkit").error("patchkit: %s: invalid manifest, nothing applied:\n%s", plugin, exc)
         return _remember(Status(plugin, False, f"invalid manifest:\n{exc}", ""), status)
     if compiled.manifest is None:
-        logger.warning("patchkit: %s: %s; nothing applied", plugin, compiled.error)
+        logging.getLogger("patchkit").warning("patchkit: %s: %s; nothing applied", plugin, compiled.error)
         return _remember(Status(plugin, False, compiled.error, compiled.supported), status)
     run = engine.Run(plugin, compiled, runtime, on_change=_write_report)
     result = _remember(Status(plugin, True, None, compiled.supported, run), status)

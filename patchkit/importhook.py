@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from importlib.machinery import ModuleSpec
+    from types import ModuleType
 
-Callback = Callable[[ModuleType], None]
+    Callback = Callable[[ModuleType], None]  # for annotations only: not built in every process
 
 _lock = threading.RLock()
 _pending: dict[str, list[Callback]] = {}
+_busy: set[tuple[int, str]] = set()  # (thread, module) whose spec _Finder is looking up right now
 
 
 class _LoaderProxy:
@@ -54,13 +55,11 @@ class _LoaderProxy:
 
 
 class _Finder:
-    def __init__(self) -> None:
-        self._local = threading.local()
-
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
-        if fullname not in _pending or getattr(self._local, "busy", False):
+        busy = (threading.get_ident(), fullname)
+        if fullname not in _pending or busy in _busy:
             return None
-        self._local.busy = True
+        _busy.add(busy)  # another finder may import while it looks: do not recurse into ourselves
         try:
             spec = None
             for finder in sys.meta_path:
@@ -70,7 +69,7 @@ class _Finder:
                 if spec is not None:
                     break
         finally:
-            self._local.busy = False
+            _busy.discard(busy)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         spec.loader = _LoaderProxy(spec.loader, fullname)
