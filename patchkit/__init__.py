@@ -13,7 +13,7 @@ Public API (everything a plugin needs; the rest is internal):
 - ``revert(plugin=None)`` — restore everything (for tests).
 
 Importing patchkit is cheap: a process that can replay a stored program loads
-only ``patchkit.importhook`` and ``patchkit.replay`` besides this module; YAML
+only ``patchkit.replay`` (and ``patchkit.importhook``) besides this module; YAML
 and JSON Schema are only imported when a manifest changed since the cached
 compiled plan was written.
 """

@@ -22,9 +22,9 @@ registrations) is not replayed: ``defer`` hands the plan to the engine at the
 first such import (``engine.Run.adopt`` takes over what was installed). vLLM is
 importing one of its own modules then, so the engine's import cost is not seen.
 
-This module is the warm path of every vLLM process (with ``patchkit`` and
-``patchkit.importhook``): it imports nothing else of patchkit until it hands
-over. Limit: the engine imports an entry's callable
+This module is the warm path of every vLLM process, with ``patchkit`` (and
+``patchkit.importhook`` when something waits for an import): it imports nothing
+else of patchkit until it hands over. Limit: the engine imports an entry's callable
 just before it applies that entry; a replay imports all of them before it
 applies any.
 """
@@ -44,11 +44,12 @@ from importlib.util import MAGIC_NUMBER
 from types import CodeType, FunctionType
 from typing import TYPE_CHECKING, Any
 
-from patchkit import cache_dir, code_key, importhook, manifest_files, python_tag, read_trusted, schema_path
+from patchkit import cache_dir, code_key, manifest_files, python_tag, read_trusted, schema_path
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from patchkit.importhook import Callback
     from patchkit.planning import Runtime
 
 FORMAT = "patchkit-replay-1"
@@ -204,7 +205,13 @@ def _workers(spec: dict[str, Any], runtime: Runtime | None) -> Callable[..., Any
     return factory
 
 
-def defer(program: dict[str, Any], takeover: importhook.Callback) -> None:
-    """Call ``takeover`` when the first module the program waits for is imported."""
-    for module in program["absent"]:
-        importhook.when_imported(module, takeover)
+def defer(program: dict[str, Any], takeover: Callback) -> None:
+    """Call ``takeover`` when the first module the program waits for is imported.
+
+    ``patchkit.importhook`` is loaded only if the program waits for something (in
+    the front end it does: vLLM's model registry is imported later)."""
+    if program["absent"]:
+        from patchkit import importhook
+
+        for module in program["absent"]:
+            importhook.when_imported(module, takeover)
