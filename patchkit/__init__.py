@@ -76,6 +76,13 @@ def manifest_files(directory: Path) -> list[Path]:
     return [directory / n for n in names]
 
 
+def plan_inputs(files: list[Path]) -> list[Path]:
+    """The files a plan is computed from: ``files`` (the manifests) and the manifest schema.
+
+    The plan cache's key and the replay programs' key both cover exactly these."""
+    return [*files, schema_path("manifest.schema.json")]
+
+
 def installed_vllm() -> tuple[str | None, str | None]:
     """(version, commit) as the installed vLLM reports them, unnormalized (None where absent).
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
-from patchkit import cache_dir, manifest_files, python_tag, read_trusted, schema_path, write_atomic
+from patchkit import cache_dir, manifest_files, plan_inputs, python_tag, read_trusted, write_atomic
 
 if TYPE_CHECKING:
     from patchkit.planning import Compiled, Runtime
@@ -36,7 +36,7 @@ FORMAT = "patchkit-plan-3"
 def key(files: list[Path], vllm_version: str | None, vllm_commit: str | None) -> str:
     """The cache key of everything that can change a compiled plan."""
     h = hashlib.sha256(FORMAT.encode())
-    for p in [*files, schema_path("manifest.schema.json")]:
+    for p in plan_inputs(files):
         # The content, not size + mtime: reproducible builds and `cp -p` keep mtimes, and an edit
         # of one fingerprint digit keeps the size, so size + mtime can name a stale plan.
         with open(p, "rb", buffering=0) as f:

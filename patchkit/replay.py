@@ -44,7 +44,7 @@ from importlib.util import MAGIC_NUMBER
 from types import CodeType, FunctionType
 from typing import TYPE_CHECKING, Any
 
-from patchkit import cache_dir, code_key, manifest_files, python_tag, read_trusted, schema_path
+from patchkit import cache_dir, code_key, manifest_files, plan_inputs, python_tag, read_trusted
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -92,7 +92,7 @@ def key(directory: Path, vllm_version: str | None, vllm_commit: str | None) -> s
     """
     h = hashlib.sha256(FORMAT.encode())
     try:
-        for p in [*manifest_files(directory), schema_path("manifest.schema.json")]:
+        for p in plan_inputs(manifest_files(directory)):
             st = os.stat(p)
             h.update(f"{p}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}\n".encode())
     except OSError:
