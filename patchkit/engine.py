@@ -18,7 +18,7 @@ Guarantees:
   An attribute that someone else changed after us is left alone and reported.
 
 A ``Run`` can also *adopt* the entries a replay program installed
-(``patchkit.replay``) and carry on from there: it then owns them as if it had
+(section 3 of ``patchkit``) and carry on from there: it then owns them as if it had
 applied them (records, rollback, revert), and applies the rest as usual.
 
 Limits: an entry is applied once per process; references taken to the original
@@ -34,14 +34,16 @@ import threading
 import time
 from collections.abc import Callable
 from types import CodeType, FunctionType, ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from patchkit import code_key, importhook
+from patchkit import cancel_when_imported, code_key, new_wrapper, when_imported
 from patchkit.errors import PatchError
 from patchkit.plancache import CodeCache
 from patchkit.planning import Compiled, Entry, Manifest, Runtime, runtime_verdict
-from patchkit.replay import Step, new_wrapper
 from patchkit.targets import Slot, TargetMissing, import_ref, unwrap_descriptor
+
+if TYPE_CHECKING:
+    from patchkit import ImportCallback, Step
 
 logger = logging.getLogger("patchkit")
 
@@ -166,7 +168,7 @@ class Run:
         self._lock = threading.RLock()
         self._pumping = False
         self._starting = False
-        self._callbacks: list[importhook.Callback] = []
+        self._callbacks: list[ImportCallback] = []
         self._codes = CodeCache()
         self._on_change = on_change
         self.replayed = False  # adopted entries a replay program installed
@@ -217,7 +219,7 @@ class Run:
 
     def _hook(self, module: str, callback: Callable[[ModuleType], None]) -> None:
         self._callbacks.append(callback)
-        importhook.when_imported(module, callback)
+        when_imported(module, callback)
 
     def _on_import(self, module: ModuleType) -> None:
         with self._lock:
@@ -401,7 +403,7 @@ class Run:
 
     def _undo_all(self, outcome: str) -> None:
         for callback in self._callbacks:
-            importhook.cancel(callback)
+            cancel_when_imported(callback)
         for record in reversed(self._stack):
             _undo(record)
             record.outcome = outcome

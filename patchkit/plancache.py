@@ -11,7 +11,7 @@ Later processes read one small JSON file. Fingerprints of live objects and
 compiled wrappers are cached the same way (``CodeCache``).
 
 Only the engine uses this module; a process that replays a program
-(``patchkit.replay``) never imports it.
+(replay, in ``patchkit`` itself) never imports it.
 """
 
 from __future__ import annotations

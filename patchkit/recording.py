@@ -1,7 +1,7 @@
 """Recording replay programs: what a started ``engine.Run`` applied at once, for the next process.
 
 ``store(key, run)`` is called after the engine has started a plan; the program
-it writes is what ``patchkit.replay`` checks and repeats in a later process of
+it writes is what ``patchkit`` (section 3, replay) checks and repeats in a later process of
 the same situation (which of the plan's modules are imported). Not on the warm
 path: only processes that ran the engine get here.
 
@@ -23,8 +23,7 @@ from importlib.util import MAGIC_NUMBER
 from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
-from patchkit import code_key, write_atomic
-from patchkit.replay import FORMAT, descriptor_name, program_path, programs
+from patchkit import REPLAY_FORMAT, code_key, descriptor_name, program_path, programs, write_atomic
 from patchkit.targets import unwrap_descriptor
 from patchkit.vllm_adapter import MODEL_REGISTRY_MODULE
 
@@ -37,14 +36,14 @@ _MISSING = object()
 def store(key: str, run: Run) -> None:
     """Record ``run``'s immediate application as the program for this situation, if it qualifies.
 
-    ``key``: ``replay.key(...)`` of the inputs, computed before the engine read them.
+    ``key``: ``patchkit.replay_key(...)`` of the inputs, computed before the engine read them.
     """
     program = record(run)
     if program is None:
         return
     same = (program["imported"], program["absent"])
     others = [p for p in programs(key) if (p["imported"], p["absent"]) != same]
-    write_atomic(program_path(key), marshal.dumps((FORMAT, MAGIC_NUMBER, [program, *others])))
+    write_atomic(program_path(key), marshal.dumps((REPLAY_FORMAT, MAGIC_NUMBER, [program, *others])))
 
 
 def record(run: Run) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import patchkit
-from patchkit import cli, importhook, manifest, planning
+from patchkit import cli, manifest, pending_imports, planning
 from patchkit.errors import ManifestError, Problem
 from patchkit.planning import Runtime
 
@@ -479,7 +479,7 @@ def test_activate_patches_nothing(case: Case, tmp_path: Path, victim: ModuleType
     assert patchkit.status(PLUGIN) is status
     assert victim.f is original
     assert patchkit.applied(PLUGIN) == []
-    assert "pkvictim" not in importhook.pending()
+    assert "pkvictim" not in pending_imports()
     assert not list((tmp_path / "cache").glob("plan-*.json")), "an invalid manifest must not be cached"
 
 

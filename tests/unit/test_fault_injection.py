@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 import patchkit
-from patchkit import engine, fingerprint, importhook, manifest, selection, vllm_adapter
+from patchkit import engine, fingerprint, manifest, pending_imports, selection, vllm_adapter
 from patchkit.planning import Runtime
 from patchkit.targets import Slot, unwrap_descriptor
 
@@ -222,7 +222,7 @@ def assert_pristine(before: list[dict[str, Any]], mods: dict[str, Any]) -> None:
     assert type(vars(ea.EngineArgs)["from_cli_args"]) is classmethod
     assert mods["fkvllm.user"].helper is mods["fkvllm.utils"].ORIGINALS["helper"]
     assert not [k for k in engine._LIVE if k[0] == PLUGIN]
-    assert not [m for m in importhook.pending() if m.startswith("fkvllm")]
+    assert not [m for m in pending_imports() if m.startswith("fkvllm")]
 
 
 def clean_activation_works(root: Path, mods: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import patchkit
-from patchkit import cache_dir, fingerprint, importhook, recording, replay
+from patchkit import cache_dir, fingerprint, pending_imports, recording
 from patchkit.planning import Runtime
 from patchkit.vllm_adapter import MODEL_REGISTRY_MODULE
 
@@ -172,11 +172,11 @@ def test_a_replay_reaches_the_engines_state(plan, runtime):
     assert by_engine["run"] == ("outer", 60) and by_engine["files"] == [
         "<patchkit wrapper double>", "<patchkit wrapper make>", "<patchkit wrapper outer>"]
     assert Engine.run.__wrapped__.__wrapped__ is before["run"]
-    assert importhook.pending() == {"rv.late": 1, MODEL_REGISTRY_MODULE: 1}
+    assert pending_imports() == {"rv.late": 1, MODEL_REGISTRY_MODULE: 1}
     late = importlib.import_module("rv.late")  # the engine takes over at this import
     assert late.Late().go() == "late go"
     assert second._run is not None and second.run.replayed
-    assert importhook.pending() == {MODEL_REGISTRY_MODULE: 1}  # the engine's own hook
+    assert pending_imports() == {MODEL_REGISTRY_MODULE: 1}  # the engine's own hook
     assert records() == engine_records
     patchkit.revert()
     assert originals() == before
@@ -189,7 +189,7 @@ def test_reading_the_status_hands_over_to_the_engine(plan, runtime):
     outcomes = {r[0]: r[1] for r in records()}  # applied() builds the Run
     assert outcomes == {"workers": "applied", "run": "applied", "outer": "applied", "double": "applied",
                         "make": "applied", "late": "pending", "model:RpModel": "pending"}
-    assert importhook.pending() == {"rv.late": 1, MODEL_REGISTRY_MODULE: 1}
+    assert pending_imports() == {"rv.late": 1, MODEL_REGISTRY_MODULE: 1}
     assert patchkit.status("rp") is second and second.active
 
 
@@ -201,7 +201,7 @@ def test_another_situation_gets_its_own_program(plan, runtime):
     patchkit.revert()
     assert activate(plan, runtime).replayed
     [key] = [p.name[len("replay-"):-len(".bin")] for p in cache_dir().glob("replay-*.bin")]
-    assert len(replay.programs(key)) == 2
+    assert len(patchkit.programs(key)) == 2
 
 
 @pytest.mark.parametrize("damage", ["garbage", "group-writable", "wrong-format"])
@@ -282,10 +282,10 @@ def test_a_failing_install_restores_what_the_replay_had_installed(plan, runtime)
     recorded_by_engine(plan, runtime)
     untouched = dict(vars(core.Engine))
     [key] = [p.name[len("replay-"):-len(".bin")] for p in cache_dir().glob("replay-*.bin")]
-    program = replay.load(key)
+    program = patchkit.load_program(key)
     assert program is not None
     core.Meta.frozen = True  # "make" cannot be set any more; it comes after run, outer and double
-    assert replay.apply(program, "rp", runtime) is None
+    assert patchkit.apply_program(program, "rp", runtime) is None
     assert dict(vars(core.Engine)) == untouched
     status = activate(plan, runtime)
     assert not status.active and not status.replayed and "make" in status.problem
@@ -360,4 +360,4 @@ def test_a_replaying_process_loads_only_the_warm_path_modules(plan, sandbox, tmp
     # Only the identity is read before a replay; the engine (which would need a full Runtime) never runs.
     second = process('SimpleNamespace(vllm_version="0.32.0", vllm_commit=None)')
     assert second[0] == "True True 9"
-    assert second[1].split() == ["patchkit.importhook", "patchkit.replay"], second
+    assert second[1].split() == [], second  # the warm path is patchkit itself: no submodule
