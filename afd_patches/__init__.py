@@ -9,22 +9,36 @@ surfaces as a clear error only in a run that asks for AFD.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+# Strings, not Paths, at import: this module is imported in every vLLM process, and
+# ``Path.resolve()`` alone costs ~0.2 ms there (os.path.realpath: ~0.03 ms).
+_PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))
 CONFIG_KEY = "afd"  # additional_config[CONFIG_KEY] present <=> AFD is on
+
+
+class AfdConfigError(ValueError):
+    """A bad ``additional_config["afd"]`` (or ``--afd-*`` flag); the message names the key.
+
+    Defined here, not in ``afd_patches.config``, so that the modules every vLLM process
+    imports can name it without loading the config machinery."""
+
+
+def _shipped(folder: str, checkout: tuple[str, ...]) -> Path:
+    """``folder`` inside the wheel's package, else ``checkout`` relative to the repository."""
+    packaged = os.path.join(_PACKAGE_DIR, folder)
+    return Path(packaged if os.path.isdir(packaged) else os.path.join(os.path.dirname(_PACKAGE_DIR), *checkout))
 
 
 def manifest_dir() -> Path:
     """The folder of afd's manifests (inside the wheel, or ``manifests/afd`` in a checkout)."""
-    packaged = _PACKAGE_DIR / "_manifests"
-    return packaged if packaged.is_dir() else _PACKAGE_DIR.parent / "manifests" / "afd"
+    return _shipped("_manifests", ("manifests", "afd"))
 
 
 def config_schema() -> Path:
     """``afd-config.schema.json`` (inside the wheel, or ``schemas/`` in a checkout)."""
-    packaged = _PACKAGE_DIR / "_schemas"
-    return (packaged if packaged.is_dir() else _PACKAGE_DIR.parent / "schemas") / "afd-config.schema.json"
+    return _shipped("_schemas", ("schemas",)) / "afd-config.schema.json"
 
 
 def register_afd() -> None:

@@ -16,13 +16,9 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from typing import Any
 
-from afd_patches import CONFIG_KEY, config_schema
+from afd_patches import CONFIG_KEY, AfdConfigError, config_schema
 
 ALIASES = {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
-
-
-class AfdConfigError(ValueError):
-    """A bad ``additional_config["afd"]``; the message names the key."""
 
 
 @dataclass(frozen=True)
@@ -115,9 +111,3 @@ def from_additional_config(additional_config: dict[str, Any] | None) -> AfdConfi
     if not additional_config or CONFIG_KEY not in additional_config:
         return None
     return parse(additional_config[CONFIG_KEY])
-
-
-def role_of(vllm_config: Any) -> str | None:
-    """Role of the engine being configured (used by the manifest's worker overrides)."""
-    cfg = from_additional_config(getattr(vllm_config, "additional_config", None))
-    return cfg.role if cfg else None

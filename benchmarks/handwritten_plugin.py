@@ -64,14 +64,13 @@ def register(eager: bool = False) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     from afd_patches.compat import cli_flags, engine_config
-    from afd_patches.config import role_of
 
     create = EngineArgs.create_engine_config
 
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         was_auto = self.worker_cls == "auto"
         config = engine_config.validate_afd_config(create, self, *args, **kwargs)
-        role = role_of(config)
+        role = engine_config.role_of(config)
         if role is not None and was_auto:
             config.parallel_config.worker_cls = WORKERS[role]
         return config

@@ -73,31 +73,35 @@ _PACKAGE_DIR = os.path.dirname(__file__)  # a str: a Path here costs every vLLM 
 # thing twice. An unwritable or corrupt cache is ignored, never fatal.
 
 
-def schema_path(name: str) -> Path:
+def schema_path(name: str) -> str:
     """A shipped JSON Schema, e.g. ``manifest.schema.json``: ``patchkit/_schemas/`` in a wheel,
     the repository's ``schemas/`` in a checkout or editable install (looked up here only)."""
-    packaged = Path(_PACKAGE_DIR, "_schemas")
-    return (packaged if packaged.is_dir() else packaged.parent.parent / "schemas") / name
+    packaged = os.path.join(_PACKAGE_DIR, "_schemas")
+    folder = packaged if os.path.isdir(packaged) else os.path.join(os.path.dirname(_PACKAGE_DIR), "schemas")
+    return os.path.join(folder, name)
+
+
+def _cache_root() -> str:
+    if os.environ.get("PATCHKIT_CACHE_DIR"):
+        return os.environ["PATCHKIT_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "patchkit")
 
 
 def cache_dir() -> Path:
-    if os.environ.get("PATCHKIT_CACHE_DIR"):
-        return Path(os.environ["PATCHKIT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "patchkit"
+    return Path(_cache_root())
 
 
-def manifest_files(directory: Path) -> list[Path]:
+def manifest_files(directory: str | os.PathLike[str]) -> list[str]:
     """The ``*.yaml`` files directly in ``directory``, sorted by name."""
     try:
         with os.scandir(directory) as it:
-            names = sorted(e.name for e in it if e.name.endswith(".yaml") and e.is_file())
+            return sorted(e.path for e in it if e.name.endswith(".yaml") and e.is_file())
     except OSError:
         return []
-    return [directory / n for n in names]
 
 
-def plan_inputs(files: list[Path]) -> list[Path]:
+def plan_inputs(files: list[str]) -> list[str]:
     """The files a plan is computed from: ``files`` (the manifests) and the manifest schema.
 
     The plan cache's key and the replay programs' key both cover exactly these."""
@@ -126,7 +130,7 @@ def python_tag() -> str:
     return f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}.{sys.version_info[2]}"
 
 
-def read_trusted(path: Path) -> bytes | None:
+def read_trusted(path: str | Path) -> bytes | None:
     """The file's bytes if it exists and passes the ownership check, else None."""
     try:
         with open(path, "rb") as f:
@@ -143,11 +147,12 @@ def _trusted(st: os.stat_result) -> bool:
     return st.st_uid in (0, os.getuid()) and not st.st_mode & 0o022
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` (mode 0600) via a temp file + rename; OSError is ignored."""
+    folder = os.path.dirname(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -315,7 +320,7 @@ def descriptor_name(raw: Any) -> str:
     return kind.__name__ if kind in (staticmethod, classmethod) else ""
 
 
-def replay_key(directory: Path, vllm_version: str | None, vllm_commit: str | None) -> str | None:
+def replay_key(directory: str | os.PathLike[str], vllm_version: str | None, vllm_commit: str | None) -> str | None:
     """The programs' key for these inputs, from file metadata only (nothing is read or parsed).
 
     Each manifest's and the schema's path, inode, size, mtime and ctime; the vLLM
@@ -335,8 +340,8 @@ def replay_key(directory: Path, vllm_version: str | None, vllm_commit: str | Non
     return h.hexdigest()[:32]
 
 
-def program_path(key: str) -> Path:
-    return cache_dir() / f"replay-{key}.bin"
+def program_path(key: str) -> str:
+    return os.path.join(_cache_root(), f"replay-{key}.bin")
 
 
 def programs(key: str) -> list[dict[str, Any]]:

@@ -30,7 +30,7 @@ from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistrati
 def _validator() -> Any:
     import jsonschema
 
-    schema = json.loads(schema_path("manifest.schema.json").read_text())
+    schema = json.loads(pathlib.Path(schema_path("manifest.schema.json")).read_text())
     return jsonschema.Draft202012Validator(schema)
 
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 FORMAT = "patchkit-plan-3"
 
 
-def key(files: list[Path], vllm_version: str | None, vllm_commit: str | None) -> str:
+def key(files: list[str], vllm_version: str | None, vllm_commit: str | None) -> str:
     """The cache key of everything that can change a compiled plan."""
     h = hashlib.sha256(FORMAT.encode())
     for p in plan_inputs(files):

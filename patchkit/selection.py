@@ -21,7 +21,7 @@ from patchkit.errors import ManifestError, UnsupportedRelease
 from patchkit.planning import Compiled, Entry, Manifest, Runtime
 
 
-def compile_plan(files: list[Path], runtime: Runtime) -> Compiled:
+def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
     """Validate every manifest (ManifestError on any problem) and select/order for ``runtime``."""
     from patchkit import manifest as manifest_module  # YAML + JSON Schema: only when the cache misses
 

@@ -33,12 +33,12 @@ pass it with ``--additional-config``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from afd_patches import CONFIG_KEY
-from afd_patches.config import ALIASES, AfdConfig, AfdConfigError
+from afd_patches import CONFIG_KEY, AfdConfigError
 
 GROUP_TITLE = "AFD"
 GROUP_DESCRIPTION = (
@@ -76,34 +76,41 @@ class Flag:
         return self.option.lstrip("-").replace("-", "_")
 
 
-_DEFAULTS = AfdConfig(role="attention")
+@functools.cache
+def flags() -> tuple[Flag, ...]:
+    """Every ``--afd-*`` flag, its help showing ``AfdConfig``'s defaults.
 
-FLAGS: tuple[Flag, ...] = (
-    Flag("--afd-role", "role", str, "This engine's AFD role. Required when AFD is on.",
-         choices=("attention", "ffn")),
-    Flag("--afd-connector", "connector", str,
-         f"Connector that carries hidden states between the roles (default: {_DEFAULTS.connector}).",
-         metavar="NAME"),
-    Flag("--afd-host", "host", str,
-         f"Address of the rendezvous both roles meet at (default: {_DEFAULTS.host}).", metavar="HOST"),
-    Flag("--afd-port", "port", int,
-         f"TCP port of the rendezvous; the same on both roles (default: {_DEFAULTS.port}).", metavar="PORT"),
-    Flag("--afd-num-attention-ranks", "num_attention_ranks", int,
-         f"A: number of attention engines (default: {_DEFAULTS.num_attention_ranks}).", metavar="A"),
-    Flag("--afd-num-ffn-ranks", "num_ffn_ranks", int,
-         f"F: number of FFN engines; A must be a multiple of F (default: {_DEFAULTS.num_ffn_ranks}).",
-         metavar="F"),
-    Flag("--afd-rank", "rank", int,
-         f"This engine's 0-based index among the engines of its role (default: {_DEFAULTS.rank}).",
-         metavar="N"),
-    Flag("--afd-timeout-s", "timeout_s", float,
-         f"Seconds a receive waits for the peer before failing (default: {_DEFAULTS.timeout_s:g}).",
-         metavar="SECONDS"),
-)
+    Built on first use (a parser being built, or arguments being read): this module is
+    imported in every vLLM process the plugin runs in, ``afd_patches.config`` is not."""
+    from afd_patches.config import AfdConfig
+
+    defaults = AfdConfig(role="attention")
+    return (
+        Flag("--afd-role", "role", str, "This engine's AFD role. Required when AFD is on.",
+             choices=("attention", "ffn")),
+        Flag("--afd-connector", "connector", str,
+             f"Connector that carries hidden states between the roles (default: {defaults.connector}).",
+             metavar="NAME"),
+        Flag("--afd-host", "host", str,
+             f"Address of the rendezvous both roles meet at (default: {defaults.host}).", metavar="HOST"),
+        Flag("--afd-port", "port", int,
+             f"TCP port of the rendezvous; the same on both roles (default: {defaults.port}).", metavar="PORT"),
+        Flag("--afd-num-attention-ranks", "num_attention_ranks", int,
+             f"A: number of attention engines (default: {defaults.num_attention_ranks}).", metavar="A"),
+        Flag("--afd-num-ffn-ranks", "num_ffn_ranks", int,
+             f"F: number of FFN engines; A must be a multiple of F (default: {defaults.num_ffn_ranks}).",
+             metavar="F"),
+        Flag("--afd-rank", "rank", int,
+             f"This engine's 0-based index among the engines of its role (default: {defaults.rank}).",
+             metavar="N"),
+        Flag("--afd-timeout-s", "timeout_s", float,
+             f"Seconds a receive waits for the peer before failing (default: {defaults.timeout_s:g}).",
+             metavar="SECONDS"),
+    )
 
 
 def add_afd_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Add the ``AFD`` group with every flag of ``FLAGS`` to ``parser``; return the group.
+    """Add the ``AFD`` group with every flag of ``flags()`` to ``parser``; return the group.
 
     Idempotent: a parser that already has ``--afd-role`` is left as it is (the existing group
     is returned), so a second wrap or a second plugin load does not raise "conflicting option".
@@ -112,7 +119,7 @@ def add_afd_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         if group.title == GROUP_TITLE and any("--afd-role" in a.option_strings for a in group._group_actions):
             return group
     group = parser.add_argument_group(title=GROUP_TITLE, description=GROUP_DESCRIPTION)
-    for flag in FLAGS:
+    for flag in flags():
         kwargs: dict[str, Any] = {"dest": flag.dest, "type": flag.type, "default": argparse.SUPPRESS, "help": flag.help}
         if flag.choices:
             kwargs["choices"] = list(flag.choices)
@@ -125,7 +132,7 @@ def add_afd_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
 def flag_values(args: argparse.Namespace) -> dict[str, tuple[Flag, Any]]:
     """``{afd key: (flag, value)}`` for each ``--afd-*`` flag given on ``args`` (absent or None: not given)."""
     given: dict[str, tuple[Flag, Any]] = {}
-    for flag in FLAGS:
+    for flag in flags():
         value = getattr(args, flag.dest, None)
         if value is not None:
             given[flag.key] = (flag, value)
@@ -149,6 +156,8 @@ def merge_flags(additional: Any, given: Mapping[str, tuple[Flag, Any]]) -> dict[
     Neither input is mutated. Raises ``AfdCliError`` when a key (or its alias) is set both
     by a flag and by ``--additional-config``, or when ``additional_config["afd"]`` is not a mapping.
     """
+    from afd_patches.config import ALIASES
+
     merged = _as_dict(additional)
     afd_raw = merged.get(CONFIG_KEY, {})
     if afd_raw is None:

@@ -1,4 +1,9 @@
-"""Wrappers around ``EngineArgs.create_engine_config`` (the front end builds the config there)."""
+"""Wrappers around ``EngineArgs.create_engine_config`` (the front end builds the config there),
+and ``role_of``, which the manifest's worker overrides ask at that call.
+
+Imported in every vLLM process the plugin runs in: ``afd_patches.config`` (a frozen
+dataclass, JSON Schema) is loaded only when an engine asks for AFD.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +30,16 @@ def require_active_plan() -> None:
         raise AfdUnavailable(
             f"vLLM {status.vllm_version} is not supported by afd-plugin; supported: {status.supported}"
         )
+
+
+def role_of(vllm_config: Any) -> str | None:
+    """Role of the engine being configured, or None when AFD is off (the manifest's worker overrides)."""
+    additional = getattr(vllm_config, "additional_config", None)
+    if not additional or CONFIG_KEY not in additional:
+        return None
+    from afd_patches.config import parse
+
+    return parse(additional[CONFIG_KEY]).role
 
 
 def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: Any, **kwargs: Any) -> Any:

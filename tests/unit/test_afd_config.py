@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from afd_patches.config import AfdConfig, AfdConfigError, from_additional_config, parse, role_of
+from afd_patches.compat.engine_config import role_of
+from afd_patches.config import AfdConfig, AfdConfigError, from_additional_config, parse
 
 
 def test_aliases_are_normalized_and_defaults_filled():
@@ -45,6 +46,7 @@ def test_off_unless_present():
     from types import SimpleNamespace
 
     assert role_of(SimpleNamespace(additional_config={"afd": {"role": "ffn"}})) == "ffn"
+    assert role_of(SimpleNamespace(additional_config={"other": 1})) is None
     with pytest.raises(AfdConfigError, match="must be a mapping"):
         parse(["role", "ffn"])
 
@@ -77,3 +79,23 @@ def test_afd_is_refused_with_the_supported_releases_on_an_unsupported_vllm(
         assert validate_afd_config(lambda args: "config", _Args({"other": 1})) == "config"  # plain runs go on
     finally:
         patchkit.revert("afd")
+
+
+def test_the_modules_every_process_imports_leave_the_config_machinery_unloaded():
+    """The hook's modules (and ``role_of`` with AFD off) do not import ``afd_patches.config``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from types import SimpleNamespace\n"
+        "import afd_patches, afd_patches.compat.cli_flags as f, afd_patches.compat.engine_config as e\n"
+        "assert e.role_of(SimpleNamespace(additional_config={'x': 1})) is None\n"
+        "print('afd_patches.config' in sys.modules, 'jsonschema' in sys.modules)\n"
+        "print(f.flags()[1].help, 'afd_patches.config' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    unloaded, built = out.stdout.splitlines()
+    assert unloaded == "False False"
+    assert built.endswith("(default: torch_dist). True"), built

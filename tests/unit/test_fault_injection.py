@@ -81,10 +81,10 @@ TREE = {
     """,
     "fkafd/__init__.py": "",
     "fkafd/compat/__init__.py": "",
-    "fkafd/compat/engine_config.py": "CALLS = []\n" + FACTORY.format(name="validate_afd_config"),
+    "fkafd/compat/engine_config.py": "CALLS = []\n\ndef role_of(config):\n    return None\n\n"
+    + FACTORY.format(name="validate_afd_config"),
     "fkafd/compat/cli_flags.py": "CALLS = []\n" + FACTORY.format(name="add_afd_cli_args")
     + FACTORY.format(name="afd_from_cli_args"),
-    "fkafd/config.py": "def role_of(config):\n    return None\n",
     "fkafd/extra.py": "CALLS = []\nFLAG = object()\n\ndef helper(x):\n    return ('replaced', x)\n\n"
     + FACTORY.format(name="compute_wrap"),
     "fkafd/fault_import.py": "import fk_no_such_module_anywhere\n\ndef thing(original, *a, **k):\n    return 1\n",
