@@ -342,7 +342,7 @@ print(" ".join(sorted(m for m in set(sys.modules) - before if m.startswith("patc
 """
 
 
-def test_a_replaying_process_loads_only_the_warm_path_modules(plan, sandbox, tmp_path):
+def test_a_replaying_process_loads_no_patchkit_submodule(plan, sandbox, tmp_path):
     import subprocess
 
     src = str(sandbox({}))
