@@ -149,7 +149,7 @@ def _trusted(st: os.stat_result) -> bool:
 
 def write_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` (mode 0600) via a temp file + rename; OSError is ignored."""
-    folder = os.path.dirname(path)
+    folder = os.path.dirname(path) or "."  # a bare file name: the current directory, as before
     try:
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
