@@ -15,6 +15,7 @@ from pathlib import Path
 # Strings, not Paths, at import: this module is imported in every vLLM process, and
 # ``Path.resolve()`` alone costs ~0.2 ms there (os.path.realpath: ~0.03 ms).
 _PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))
+__version__ = "0.1.0"  # the distribution's version (pyproject.toml)
 CONFIG_KEY = "afd"  # additional_config[CONFIG_KEY] present <=> AFD is on
 
 
@@ -53,6 +54,6 @@ def register_afd() -> None:
     try:
         import patchkit
 
-        patchkit.activate("afd", manifest_dir())
+        patchkit.activate("afd", manifest_dir(), plugin_version=__version__)
     except Exception:
         logging.getLogger("afd_patches").exception("afd-plugin: the patch plan could not be applied")

@@ -10,16 +10,20 @@ Guarantees:
   entry whose target already holds its own object is reported
   ``already-applied`` and changes nothing.
 - *Transactional*: a required entry that fails restores every entry this run
-  applied (newest first) and cancels what is still pending; the error names
-  the entry. At start this raises ``PatchError``; later (in an import hook,
-  where raising would break someone else's ``import``) it is logged and kept
-  in ``Run.error`` for the plugin to act on.
-- *Reversible*: ``revert()`` restores the originals, including rebound aliases.
-  An attribute that someone else changed after us is left alone and reported.
+  applied (newest first), including the aliases it rebound, and cancels what
+  is still pending; the error names the entry. Any exception counts, not only
+  the expected ones: one raised while installing, rebinding or registering a
+  model, at start or later in an import callback. At start this raises
+  ``PatchError``; later (in an import callback, where raising would break
+  someone else's ``import``) it is logged and kept in ``Run.error`` for the
+  plugin to act on, and the importer gets its module. A rollback step that
+  itself raises is logged and the rollback goes on with the next one.
+- *Reversible*: ``revert()`` restores the originals, including every alias in
+  the rebind scope that holds our object, whenever it was bound. An attribute
+  that someone else changed after us is left alone and reported.
 
-A ``Run`` can also *adopt* the entries a replay program installed
-(section 3 of ``patchkit``) and carry on from there: it then owns them as if it had
-applied them (records, rollback, revert), and applies the rest as usual.
+Wrappers are generated in this process (``compile`` of a two-line function);
+nothing executable is cached.
 
 Limits: an entry is applied once per process; references taken to the original
 before the swap are not reachable (see ``rebind``).
@@ -27,6 +31,8 @@ before the swap are not reachable (see ``rebind``).
 
 from __future__ import annotations
 
+import builtins
+import functools
 import inspect
 import logging
 import os
@@ -34,16 +40,13 @@ import threading
 import time
 from collections.abc import Callable
 from types import CodeType, FunctionType, ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from patchkit import cancel_when_imported, code_key, new_wrapper, when_imported
+from patchkit import imports
 from patchkit.errors import PatchError
-from patchkit.plancache import CodeCache
+from patchkit.plancache import Fingerprints
 from patchkit.planning import Compiled, Entry, Manifest, Runtime, runtime_verdict
 from patchkit.targets import Slot, TargetMissing, import_ref, unwrap_descriptor
-
-if TYPE_CHECKING:
-    from patchkit import ImportCallback, Step
 
 logger = logging.getLogger("patchkit")
 
@@ -89,8 +92,7 @@ class _Skip(Exception):
         self.reason = reason
 
 
-def make_wrapper(factory: Callable[..., Any], original: Callable[..., Any], marker: tuple[str, str],
-                 codes: CodeCache | None = None) -> Any:
+def make_wrapper(factory: Callable[..., Any], original: Callable[..., Any], marker: tuple[str, str]) -> Any:
     """``patched(...) == factory(original, ...)``, looking like ``original``.
 
     For a Python function the wrapper is generated with ``original``'s own
@@ -98,15 +100,22 @@ def make_wrapper(factory: Callable[..., Any], original: Callable[..., Any], mark
     own objects), so a call costs what a hand-written closure costs (no
     ``*args``/``**kwargs`` packing). Any other callable (a builtin, a
     ``functools.partial``, a callable instance) gets ``*args, **kwargs``.
-    ``codes`` keeps the compiled wrapper across processes (compiling costs
-    ~0.1 ms a wrapper, paid by every vLLM process otherwise).
+    The wrapper carries ``__patchkit__ = marker`` and ``original``'s metadata.
     """
     params, forward = _signature_source(original)
     source = f"def patched({params}):\n    return factory(original{forward})\n"
-    filename = f"<patchkit wrapper {marker[1]}>"
-    module_code = codes.compiled(source, filename) if codes is not None else compile(source, filename, "exec")
+    module_code = compile(source, f"<patchkit wrapper {marker[1]}>", "exec")
     code = next(c for c in module_code.co_consts if isinstance(c, CodeType))
-    return new_wrapper(code, factory, original, marker)
+    own = getattr(original, "__code__", None)
+    same_parameters = isinstance(original, FunctionType) and own is not None and (
+        (code.co_argcount, code.co_kwonlyargcount) == (own.co_argcount, own.co_kwonlyargcount))
+    patched = FunctionType(code, {"__builtins__": builtins, "factory": factory, "original": original},
+                           "patched", original.__defaults__ if same_parameters else None)
+    if same_parameters and original.__kwdefaults__:
+        patched.__kwdefaults__ = dict(original.__kwdefaults__)
+    functools.update_wrapper(patched, original)
+    patched.__patchkit__ = marker
+    return patched
 
 
 _CO_VARARGS, _CO_VARKEYWORDS = 0x04, 0x08  # inspect.CO_VARARGS / CO_VARKEYWORDS
@@ -168,24 +177,12 @@ class Run:
         self._lock = threading.RLock()
         self._pumping = False
         self._starting = False
-        self._callbacks: list[ImportCallback] = []
-        self._codes = CodeCache()
+        self._current: str | None = None  # the entry being applied, for unexpected errors
+        self._callbacks: list[imports.ImportCallback] = []
+        self._fingerprints = Fingerprints()
         self._on_change = on_change
-        self.replayed = False  # adopted entries a replay program installed
 
     # -- scheduling -------------------------------------------------------------------------
-    def adopt(self, steps: list[Step]) -> None:
-        """Take over the entries a replay program installed in this process (call before ``start``)."""
-        with self._lock:
-            self.replayed = bool(steps)
-            for entry_id, owner, name, original, installed, seconds, verdict in steps:
-                record = self.records[entry_id]
-                record.slot = Slot(owner, name, record.target)
-                record.original, record.installed = original, installed
-                record.outcome, record.fingerprint, record.seconds = "applied", verdict, seconds
-                _LIVE[(self.plugin, entry_id)] = installed
-                self._stack.append(record)
-
     def start(self) -> None:
         """Decide guards, apply what can be applied now, hook the rest. Raises PatchError."""
         disabled = {s.strip() for s in os.environ.get("PATCHKIT_DISABLE", "").split(",") if s.strip()}
@@ -194,8 +191,6 @@ class Run:
             self.status = "active"
             modules: list[str] = []
             for entry_id, record in self.records.items():
-                if record.outcome != "pending":  # adopted from a replay
-                    continue
                 entry = self.entries.get(entry_id)
                 when = entry.when if entry else self._model(entry_id).when
                 reason = self.compiled.static.get(entry_id) or runtime_verdict(when, self.runtime)
@@ -206,20 +201,22 @@ class Run:
                     record.outcome, record.reason = "guarded-out", reason
                 elif entry is not None:
                     modules.append(entry.module)
-            if any(r.outcome == "pending" for k, r in self.records.items() if k.startswith("model:")):
-                from patchkit import vllm_adapter
+            try:
+                if any(r.outcome == "pending" for k, r in self.records.items() if k.startswith("model:")):
+                    from patchkit import vllm_adapter
 
-                self._hook(vllm_adapter.MODEL_REGISTRY_MODULE, self._register_models)
-            for module in dict.fromkeys(modules):
-                self._hook(module, self._on_import)
-            self._starting = False
+                    self._hook(vllm_adapter.MODEL_REGISTRY_MODULE, self._register_models)
+                for module in dict.fromkeys(modules):
+                    self._hook(module, self._on_import)
+            finally:
+                self._starting = False
             if self.error is not None:
                 raise self.error
         self._changed()
 
     def _hook(self, module: str, callback: Callable[[ModuleType], None]) -> None:
         self._callbacks.append(callback)
-        when_imported(module, callback)
+        imports.when_imported(module, callback)
 
     def _on_import(self, module: ModuleType) -> None:
         with self._lock:
@@ -229,9 +226,11 @@ class Run:
             self._pumping = True
             try:
                 self._pump()
+            except Exception as exc:  # noqa: BLE001 - an unexpected error: roll back, name it
+                self._fail(PatchError(self._current or "?", f"unexpected error: {exc!r}"))
             finally:
                 self._pumping = False
-                self._codes.flush()
+                self._fingerprints.flush()
         if not self._starting:
             self._changed()
 
@@ -254,17 +253,23 @@ class Run:
     # -- one entry ----------------------------------------------------------------------------
     def _apply(self, entry: Entry, record: Record) -> None:
         started = time.perf_counter()
+        self._current = entry.id
         try:
             self._apply_entry(entry, record)
         except _Skip as skip:
             record.outcome, record.reason = skip.outcome, skip.reason
-        except _EntryFailed as failure:
+        except Exception as exc:  # noqa: BLE001 - _EntryFailed, or anything unexpected: named, rolled back
+            reason = str(exc) if isinstance(exc, _EntryFailed) else f"unexpected error: {exc!r}"
             if entry.required:
-                record.outcome, record.reason = "failed", str(failure)
-                self._fail(PatchError(entry.id, str(failure)))
+                self._fail(PatchError(entry.id, reason))
+                record.outcome, record.reason = "failed", reason
             else:
-                record.outcome, record.reason = "failed-optional", str(failure)
-                logger.warning("patchkit: optional entry %s left out: %s", entry.id, failure)
+                if record in self._stack:  # installed, then rebinding failed: undo this entry alone
+                    self._stack.remove(record)
+                    _LIVE.pop((self.plugin, entry.id), None)
+                    _undo(record, self._alias_scope(record))
+                record.outcome, record.reason = "failed-optional", reason
+                logger.warning("patchkit: optional entry %s left out: %s", entry.id, reason)
         finally:
             record.seconds = time.perf_counter() - started
 
@@ -299,19 +304,22 @@ class Run:
             new = descriptor(new)
         try:
             slot.set_raw(new)
-        except (AttributeError, TypeError) as exc:
-            raise _EntryFailed(f"cannot set {entry.target}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever a metaclass or module raises
+            raise _EntryFailed(f"cannot set {entry.target}: {exc!r}") from None
         record.slot, record.original, record.installed = slot, original, new
         _LIVE[marker] = new
-        self._stack.append(record)
+        self._stack.append(record)  # from here on a rollback restores the slot and every rebound alias
         record.outcome = "applied"
         if not slot.on_class and original is not _NOT_SET and entry.op != "set":
             from patchkit import rebind
 
-            scope = rebind.scope(entry.module, entry.rebind, self.manifest.packages)
-            record.rebound = rebind.rebind(slot.name, original, new, scope, slot.owner)
-            auto = rebind.scope(entry.module, "auto", self.manifest.packages)
-            record.unreachable = rebind.unreachable(slot.name, original, auto, slot.owner)
+            try:
+                scope = rebind.scope(entry.module, entry.rebind, self.manifest.packages)
+                rebind.rebind(slot.name, original, new, scope, slot.owner, into=record.rebound)
+                auto = rebind.scope(entry.module, "auto", self.manifest.packages)
+                record.unreachable = rebind.unreachable(slot.name, original, auto, slot.owner)
+            except Exception as exc:  # noqa: BLE001 - rolled back by the caller, named here
+                raise _EntryFailed(f"rebinding aliases of {entry.target} failed: {exc!r}") from None
 
     def _probe(self, entry: Entry, slot: Slot, func: Any) -> None:
         module = slot.owner if not slot.on_class else inspect.getmodule(slot.owner)
@@ -332,16 +340,7 @@ class Run:
                 raise _Skip("guarded-out", f"probe has_param: {entry.target} lacks {', '.join(missing)}")
 
     def _fingerprint_of(self, func: Any) -> str | None:
-        key = code_key(func)
-        cached = self._codes.get(key) if key else None
-        if cached:
-            return cached
-        from patchkit import fingerprint  # only when the cache has no fingerprint for this source
-
-        value = fingerprint.of_object(func)
-        if key and value:
-            self._codes.put(key, value)
-        return value
+        return self._fingerprints.of(func)
 
     def _new_object(self, entry: Entry, func: Any) -> Any:
         marker = (self.plugin, entry.id)
@@ -354,7 +353,7 @@ class Run:
                 factory = vllm_adapter.worker_wrapper(entry.workers or {}, self.runtime)
             except Exception as exc:  # noqa: BLE001 - reported as this entry's failure
                 raise _EntryFailed(f"cannot build worker override: {exc!r}") from None
-            return make_wrapper(factory, func, marker, self._codes)
+            return make_wrapper(factory, func, marker)
         try:
             obj = import_ref(entry.with_ or "")
         except Exception as exc:  # noqa: BLE001 - any import failure is this entry's failure
@@ -362,7 +361,7 @@ class Run:
         if entry.op == "wrap":
             if not callable(obj) or not callable(func):
                 raise _EntryFailed(f"wrap needs callables ({entry.with_}, {entry.target})")
-            return make_wrapper(obj, func, marker, self._codes)
+            return make_wrapper(obj, func, marker)
         return obj
 
     # -- models ----------------------------------------------------------------------------
@@ -385,7 +384,7 @@ class Run:
                     record.undo = vllm_adapter.register_model(module, m.arch, m.class_ref)
                     record.outcome = "applied"
                     self._stack.append(record)
-                except Exception as exc:  # noqa: BLE001 - named in the error
+                except Exception as exc:  # noqa: BLE001 - named in the error; nothing escapes into import
                     record.outcome, record.reason = "failed", repr(exc)
                     self._fail(PatchError(record.id, f"model registration failed: {exc!r}"))
                     break
@@ -402,21 +401,37 @@ class Run:
         logger.error("patchkit: %s plan rolled back, the process runs unpatched: %s", self.plugin, error)
 
     def _undo_all(self, outcome: str) -> None:
+        """Restore every applied entry, newest first; a step that raises is logged and marked."""
         for callback in self._callbacks:
-            cancel_when_imported(callback)
+            imports.cancel(callback)
         for record in reversed(self._stack):
-            _undo(record)
-            record.outcome = outcome
+            try:
+                _undo(record, self._alias_scope(record))
+                record.outcome = outcome
+            except Exception as exc:  # noqa: BLE001 - go on with the others, say which one failed
+                record.outcome, record.reason = "undo-failed", repr(exc)
+                logger.error("patchkit: %s: restoring %s failed: %r", self.plugin, record.target, exc)
             _LIVE.pop((self.plugin, record.id), None)
         self._stack.clear()
         for record in self.records.values():
             if record.outcome == "pending":
                 record.outcome = "cancelled"
 
+    def _alias_scope(self, record: Record) -> tuple[str, ...]:
+        """Where aliases of a module-level entry's object may be: its rebind scope, and ``auto``'s."""
+        entry = self.entries.get(record.id)
+        if entry is None or entry.op == "set" or record.slot is None or record.slot.on_class:
+            return ()
+        from patchkit import rebind
+
+        packages = self.manifest.packages
+        return (*rebind.scope(entry.module, entry.rebind, packages), *rebind.scope(entry.module, "auto", packages))
+
     def revert(self) -> None:
         with self._lock:
             self._undo_all("reverted")
-            self.status = "reverted"
+            if self.status != "failed":
+                self.status = "reverted"
         self._changed()
 
     def _changed(self) -> None:
@@ -426,7 +441,7 @@ class Run:
     def report(self) -> dict[str, Any]:
         return {
             "plugin": self.plugin, "manifest": os.path.basename(self.manifest.file),
-            "digest": self.compiled.digest, "status": self.status, "replayed": self.replayed,
+            "digest": self.compiled.digest, "status": self.status,
             "error": str(self.error) if self.error else None,
             "vllm": {"version": self.runtime.vllm_version, "commit": self.runtime.vllm_commit},
             "entries": [r.to_json() for r in self.records.values()],
@@ -440,12 +455,17 @@ def _compare(expected: str, actual: str | None) -> str:
     return fingerprint.compare(expected, actual)
 
 
-def _undo(record: Record) -> None:
+def _undo(record: Record, alias_scope: tuple[str, ...]) -> None:
+    """Put ``record``'s original back, and every alias in ``alias_scope`` that holds our object."""
     if record.undo is not None:
         record.undo()
         return
     slot = record.slot
     assert slot is not None
+    if alias_scope and record.original is not _NOT_SET:
+        from patchkit import rebind
+
+        rebind.restore(record.installed, record.original, (*record.rebound, *alias_scope), slot.owner)
     current = vars(slot.owner).get(slot.name, _NOT_SET) if slot.on_class else getattr(slot.owner, slot.name, _NOT_SET)
     if current is not record.installed:
         logger.warning("patchkit: %s was changed after %s patched it; left as it is", record.target, record.id)
@@ -454,8 +474,5 @@ def _undo(record: Record) -> None:
         slot.delete()
     else:
         slot.set_raw(record.original)
-        from patchkit import rebind
-
-        rebind.restore(slot.name, record.installed, record.original, record.rebound)
 
 _LIVE: dict[tuple[str, str], Any] = {}

@@ -38,12 +38,20 @@ class PatchkitError(Exception):
     """Base of every error patchkit raises on purpose."""
 
 
-class ManifestError(PatchkitError):
-    """A manifest (or a file given as one) is not valid; carries every problem found."""
+MAX_PROBLEMS = 50
 
-    def __init__(self, problems: list[Problem]) -> None:
-        self.problems = list(problems)
-        super().__init__("\n".join(str(p) for p in self.problems))
+
+class ManifestError(PatchkitError):
+    """A manifest (or a file given as one) is not valid.
+
+    Carries the first ``MAX_PROBLEMS`` problems found (``problems``) and how many
+    more there were (``more``); the message says "... and N more problems"."""
+
+    def __init__(self, problems: list[Problem], more: int = 0) -> None:
+        self.problems = list(problems[:MAX_PROBLEMS])
+        self.more = more + max(0, len(problems) - MAX_PROBLEMS)
+        tail = [f"... and {self.more} more problems"] if self.more else []
+        super().__init__("\n".join([*(str(p) for p in self.problems), *tail]))
 
 
 class PatchError(PatchkitError):

@@ -16,14 +16,17 @@ by reading a compiled plan from ``patchkit.plancache``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 from functools import cache
 from typing import Any
 
-from patchkit import schema_path
 from patchkit.errors import FieldPath, ManifestError, Problem, field_name
+from patchkit.files import schema_path
 from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
+
+MAX_FILE_BYTES = 256 * 1024
 
 
 @cache
@@ -152,36 +155,64 @@ def _find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
     return None
 
 
-def _ancestors(graph: dict[str, list[str]], node: str) -> set[str]:
+def _comes_after(graph: dict[str, list[str]], later: str, earlier: str) -> bool:
+    """Whether ``earlier`` is reachable from ``later`` over ``after`` edges."""
     seen: set[str] = set()
-    todo = list(graph.get(node, []))
+    todo = list(graph.get(later, []))
     while todo:
         n = todo.pop()
+        if n == earlier:
+            return True
         if n not in seen:
             seen.add(n)
             todo.extend(graph.get(n, []))
-    return seen
+    return False
+
+
+def _topological_positions(graph: dict[str, list[str]]) -> dict[str, int]:
+    """Each id's position in the plan order (``after`` first, file order as the tie-break); acyclic graph."""
+    position: dict[str, int] = {}
+
+    def place(node: str) -> None:
+        todo = [(node, iter(graph.get(node, [])))]
+        while todo:
+            current, deps = todo[-1]
+            dep = next((d for d in deps if d in graph and d not in position), None)
+            if dep is None:
+                todo.pop()
+                position.setdefault(current, len(position))
+            else:
+                todo.append((dep, iter(graph.get(dep, []))))
+
+    for node in graph:
+        place(node)
+    return position
 
 
 def _conflict_problems(doc: dict[str, Any], graph: dict[str, list[str]], add: Any) -> None:
-    """Writers of one attribute must be ordered, and only the first may replace or set it."""
+    """Writers of one attribute must be ordered, and only the first may replace or set it.
+
+    The writers of one target, sorted by plan position, must form a chain in which
+    each comes ``after`` the previous one (then all are ordered, by transitivity); so
+    only neighbours are compared, which keeps a file with many writers of one target
+    linear in its problems (each neighbour pair is reported at most once)."""
     writers: dict[str, list[tuple[str, str, FieldPath]]] = {}
     for i, p in enumerate(doc.get("patches", [])):
         writers.setdefault(p["target"], []).append((p["id"], p["op"], ("patches", i, "target")))
     if doc.get("workers"):
         writers.setdefault(doc["workers"]["at"], []).append((WORKERS_ENTRY_ID, "wrap", ("workers", "at")))
-    for target, ws in writers.items():
-        for a in range(len(ws)):
-            for b in range(a + 1, len(ws)):
-                (ida, opa, patha), (idb, opb, pathb) = ws[a], ws[b]
-                if idb in _ancestors(graph, ida):  # b is applied first
-                    (ida, opa, patha), (idb, opb, pathb) = (idb, opb, pathb), (ida, opa, patha)
-                elif ida not in _ancestors(graph, idb):
-                    add(pathb, f"{idb!r} and {ida!r} both write {target} with no order between them"
-                              " (add one to the other's 'after')")
-                    continue
-                if opb != "wrap":  # b comes after a and does not delegate to it
-                    add(pathb, f"{idb!r} ({opb}) comes after {ida!r} ({opa}) on {target} and would discard it")
+    shared = {t: ws for t, ws in writers.items() if len(ws) > 1}
+    if not shared:
+        return
+    position = _topological_positions(graph)
+    for target, ws in shared.items():
+        ws.sort(key=lambda w: position.get(w[0], 0))
+        for (ida, opa, _), (idb, opb, pathb) in itertools.pairwise(ws):
+            if not _comes_after(graph, idb, ida):
+                add(pathb, f"{idb!r} and {ida!r} both write {target} with no order between them"
+                          " (add one to the other's 'after')")
+            elif opb != "wrap":  # b comes after a and does not delegate to it
+                add(pathb, f"{idb!r} ({opb}) comes after {ida!r} ({opa}) on {target} and would discard it")
 
 
 def _build(doc: dict[str, Any], lines: dict[FieldPath, int], file: str, digest: str) -> Manifest:
@@ -228,6 +259,9 @@ def parse(text: str | bytes, file: str) -> Manifest:
     # surrogatepass: a str holding lone surrogates becomes bytes that fail UTF-8 decoding in
     # yamlsrc (a ManifestError naming the line), not a UnicodeEncodeError here.
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    if len(raw) > MAX_FILE_BYTES:
+        raise ManifestError([Problem(file, 1, "", f"larger than {MAX_FILE_BYTES // 1024} KiB: not read"
+                                                  " (a manifest is a few KB)")])
     try:
         doc, lines = yamlsrc.load(raw, file)
     except RecursionError:
@@ -270,10 +304,11 @@ def _check_specifiers(doc: dict[str, Any], lines: dict[FieldPath, int], file: st
 
 
 def load(path: str | pathlib.Path) -> Manifest:
-    """Read and validate one manifest file."""
+    """Read and validate one manifest file (refused unread past ``MAX_FILE_BYTES``)."""
     path = pathlib.Path(path)
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ManifestError([Problem(str(path), 1, "", f"cannot read: {exc.strerror}")]) from None
     return parse(raw, str(path))

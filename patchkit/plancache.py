@@ -1,127 +1,158 @@
-"""Compiled plans and what the engine derives from live code, cached across processes.
+"""Compiled plans and fingerprints of live code, cached as JSON data between processes.
 
-Validating YAML needs ``yaml``, ``jsonschema`` and ``packaging`` (about 150 ms
-of imports) — too much for every vLLM process. ``compiled(...)`` returns the
-selected manifest, the plan order and the static guard verdicts; the first
-process computes them and stores JSON in the cache directory (see
-``patchkit``: where, atomic writes, the ownership check), keyed by every
-input that can change the answer: each manifest file's name and content hash,
-the schema, patchkit's format version, the vLLM version and commit, and Python.
-Later processes read one small JSON file. Fingerprints of live objects and
-compiled wrappers are cached the same way (``CodeCache``).
+Validating YAML needs ``yaml``, ``jsonschema`` and ``packaging`` (well over
+100 ms of imports), and fingerprinting a long vLLM method means reading and
+parsing its source: too much for every vLLM process. The first process does
+that work and stores the result in the cache directory (``patchkit.files``:
+where, and the rules a file must pass to be read); later processes read one
+small JSON file.
 
-Only the engine uses this module; a process that replays a program
-(replay, in ``patchkit`` itself) never imports it.
+What a cache file can hold is data, and it is checked again when read:
+- a plan (``plan-<key>.json``) is keyed by the SHA-256 of every manifest's and
+  the schema's content, patchkit's plan format and version, the plugin's
+  version, the vLLM version and commit, and Python. On read it must have the
+  plan's exact shape, name one of the manifest files read for the key with
+  that file's content hash, and every callable it names must lie inside the
+  manifest's declared packages (the rule ``patchkit.manifest`` enforces);
+  anything else is a miss and the plan is compiled again.
+- fingerprints (``fingerprints.json``) are keyed by the SHA-256 of the source
+  file's content plus the definition's first line and qualified name, so an
+  edited file never finds a stale value; values must look like fingerprints.
+A poisoned cache can at worst make this user's own processes run the
+plugin's declared callables or skip a drift check; it can never run code.
 """
 
 from __future__ import annotations
 
-import binascii
 import hashlib
 import json
-import marshal
-from importlib.util import MAGIC_NUMBER
-from pathlib import Path
-from types import CodeType
+import re
+import sys
 from typing import TYPE_CHECKING, Any
 
-from patchkit import cache_dir, manifest_files, plan_inputs, python_tag, read_trusted, write_atomic
+from patchkit import __version__
+from patchkit.files import manifest_files, read_private, schema_path, write_private
 
 if TYPE_CHECKING:
     from patchkit.planning import Compiled, Runtime
 
-FORMAT = "patchkit-plan-3"
+FORMAT = "patchkit-plan-4"
+_FINGERPRINTS = "fingerprints.json"
+_FINGERPRINT_VALUE = re.compile(r"ast\d+:[0-9a-f]{16}:[0-9a-f]{16}")
 
 
-def key(files: list[str], vllm_version: str | None, vllm_commit: str | None) -> str:
-    """The cache key of everything that can change a compiled plan."""
-    h = hashlib.sha256(FORMAT.encode())
-    for p in plan_inputs(files):
-        # The content, not size + mtime: reproducible builds and `cp -p` keep mtimes, and an edit
-        # of one fingerprint digit keeps the size, so size + mtime can name a stale plan.
-        with open(p, "rb", buffering=0) as f:
-            h.update(f"{p}|{hashlib.sha256(f.read()).hexdigest()}\n".encode())
-    h.update(f"{vllm_version}|{vllm_commit}|{python_tag()}".encode())
-    return h.hexdigest()[:32]
+def _sha256_file(path: str) -> str:
+    with open(path, "rb", buffering=0) as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
-def read_json(path: Path) -> Any:
-    data = read_trusted(path)
+def _python_tag() -> str:
+    return f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}.{sys.version_info[2]}"
+
+
+def _load_json(name: str) -> Any:
+    data = read_private(name)
     try:
         return json.loads(data) if data is not None else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
-def write_json(path: Path, data: Any) -> None:
-    write_atomic(path, json.dumps(data).encode())
-
-
-def compiled(directory: Path, runtime: Runtime) -> Compiled:
-    """Cached ``compile_plan`` for every manifest in ``directory``."""
-    from patchkit.planning import Compiled
-
+def compiled(directory: str, runtime: Runtime, plugin_version: str = "") -> Compiled:
+    """``selection.compile_plan`` for the manifests in ``directory``, read from the cache when it fits."""
     files = manifest_files(directory)
-    path = cache_dir() / f"plan-{key(files, runtime.vllm_version, runtime.vllm_commit)}.json"
-    data = read_json(path)
-    if isinstance(data, dict) and data.get("format") == FORMAT:
-        try:
-            return Compiled.from_json(data["plan"])
-        except (KeyError, TypeError):
-            pass
+    digests = {p: _sha256_file(p) for p in files}
+    h = hashlib.sha256(f"{FORMAT}|{__version__}|{plugin_version}".encode())
+    for p in [*files, schema_path("manifest.schema.json")]:
+        h.update(f"{p}|{digests.get(p) or _sha256_file(p)}\n".encode())
+    h.update(f"{runtime.vllm_version}|{runtime.vllm_commit}|{_python_tag()}".encode())
+    name = f"plan-{h.hexdigest()[:32]}.json"
+    cached = _plan_from_json(_load_json(name), digests)
+    if cached is not None:
+        return cached
     from patchkit.selection import compile_plan  # YAML, JSON Schema, selection: only on a miss
 
     result = compile_plan(files, runtime)
-    write_json(path, {"format": FORMAT, "plan": result.to_json()})
+    write_private(name, json.dumps({"format": FORMAT, "plan": result.to_json()}).encode())
     return result
 
 
-class CodeCache:
-    """What patchkit derives from live code, kept across processes in one JSON file.
+def _plan_from_json(data: Any, digests: dict[str, str]) -> Compiled | None:
+    """The cached plan if it has the right shape and agrees with the files on disk, else None."""
+    from patchkit.planning import Compiled
 
-    - fingerprints: ``(file, size, mtime, first line, qualname)`` → fingerprint;
-    - compiled wrappers: (bytecode magic, file name, source) → marshalled code.
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return None
+    try:
+        plan = Compiled.from_json(data["plan"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    manifest = plan.manifest
+    if manifest is None:
+        return plan if isinstance(plan.error, str) else None
+    if digests.get(manifest.file) != manifest.digest:
+        return None
+    packages = set(manifest.packages)
+    refs = [*(e.with_ for e in manifest.entries if e.with_), *(m.class_ref for m in manifest.models)]
+    for e in manifest.entries:
+        if e.workers:
+            refs += [e.workers["role_of"], *(o["class"] for o in e.workers["overrides"])]
+    if not all(isinstance(r, str) and r.partition(":")[0].split(".")[0] in packages for r in refs):
+        return None
+    return plan
 
-    Both are pure functions of their key, so a stale entry is never read; an
-    entry that does not decode is computed again. The file is read only when
-    it passes the same ownership check as the plans (it holds code to run).
+
+class Fingerprints:
+    """Fingerprints of live definitions, cached by the content of their source file.
+
+    ``of(func)`` returns the fingerprint ``patchkit.fingerprint.of_object`` would
+    compute, from the cache when the same file content, line and qualname were
+    fingerprinted before. ``flush()`` stores new values (merged with the file).
     """
 
     def __init__(self) -> None:
-        self._path = cache_dir() / "code-cache.json"
         self._data: dict[str, str] | None = None
-        self._dirty = False
+        self._new: dict[str, str] = {}
 
-    def get(self, key: str) -> str | None:
-        if self._data is None:
-            loaded = read_json(self._path)
-            self._data = loaded if isinstance(loaded, dict) else {}
-        return self._data.get(key)
+    def of(self, func: Any) -> str | None:
+        key = _source_key(func)
+        if key is not None:
+            if self._data is None:
+                self._data = _valid_fingerprints(_load_json(_FINGERPRINTS))
+            if key in self._data:
+                return self._data[key]
+        from patchkit import fingerprint
 
-    def put(self, key: str, value: str) -> None:
-        self.get(key)
-        assert self._data is not None
-        self._data[key] = value
-        self._dirty = True
-
-    def compiled(self, source: str, filename: str) -> CodeType:
-        """``compile(source, filename, "exec")``, from the cache when this Python compiled it before."""
-        key = f"code|{MAGIC_NUMBER.hex()}|{filename}|{source}"
-        cached = self.get(key)
-        if cached is not None:
-            try:
-                code = marshal.loads(binascii.a2b_base64(cached))
-                if isinstance(code, CodeType):
-                    return code
-            except (ValueError, EOFError, TypeError, binascii.Error):
-                pass
-        code = compile(source, filename, "exec")
-        self.put(key, binascii.b2a_base64(marshal.dumps(code), newline=False).decode("ascii"))
-        return code
+        value = fingerprint.of_object(func)
+        if key is not None and value:
+            self._data[key] = self._new[key] = value  # type: ignore[index]
+        return value
 
     def flush(self) -> None:
-        if self._dirty and self._data is not None:
-            current = read_json(self._path)
-            merged = {**(current if isinstance(current, dict) else {}), **self._data}
-            write_json(self._path, merged)
-            self._dirty = False
+        if self._new:
+            merged = {**_valid_fingerprints(_load_json(_FINGERPRINTS)), **self._new}
+            write_private(_FINGERPRINTS, json.dumps(merged).encode())
+            self._new = {}
+
+
+def _valid_fingerprints(data: Any) -> dict[str, str]:
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)
+            and _FINGERPRINT_VALUE.fullmatch(v)}
+
+
+def _source_key(func: Any) -> str | None:
+    """``sha256(file content)|first line|qualname`` of the code under ``func``, or None."""
+    import inspect
+
+    func = getattr(func, "__func__", func)
+    func = inspect.unwrap(func) if callable(func) else func
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return None
+    try:
+        digest = _sha256_file(code.co_filename)
+    except OSError:
+        return None
+    return f"{digest}|{code.co_firstlineno}|{code.co_qualname}"

@@ -157,12 +157,19 @@ class Runtime:
     @classmethod
     def detect(cls) -> Runtime:
         """Read the running vLLM (imports ``vllm``, which a plugin hook has already done)."""
-        from patchkit import installed_vllm
-
-        version, commit = installed_vllm()
-        if version is None and commit is None:
+        try:
+            import vllm
+        except ImportError:
             return cls(None, None)
-        return cls(version, normalize_commit(commit) if commit else None, platform_probe=_vllm_platform)
+        try:
+            from vllm import _version as version_module
+
+            commit = getattr(version_module, "__commit_id__", None)
+        except ImportError:
+            commit = None
+        version = getattr(vllm, "__version__", None)
+        commit = normalize_commit(commit) if isinstance(commit, str) else None
+        return cls(version if isinstance(version, str) else None, commit, platform_probe=_vllm_platform)
 
 
 def normalize_commit(value: str) -> str | None:

@@ -8,18 +8,24 @@ list — and replaces attributes that have the target's own name and are the
 very object being replaced. It never touches other names or modules out of
 scope (a blind identity scan of ``sys.modules`` breaks unrelated libraries).
 
-``unreachable`` lists what rebinding leaves behind: the same object under
-another name (``from X import f as g``) in a scoped module.
-It is a report, not a fix, and it searches the ``auto`` scope only; references
-inside closures, default arguments, containers and subclasses are not searched
-(that would need ``gc``, too slow for every process start).
+``restore`` undoes it: every attribute of a scoped module that holds our object,
+under any name and whenever it was bound (a ``from X import f`` run after the
+patch included), gets the original back.
+
+``unreachable`` lists what rebinding leaves behind, as a report, not a fix, in
+the ``auto`` scope: the same object under another name (``from X import f as g``),
+inside a scoped module's dict, list, tuple or set values one level deep
+(``HANDLERS = {"greet": greet}``), and in the ``__defaults__``/``__kwdefaults__``
+of the module's own functions (``def call(f=greet)``). Deeper containers,
+closures, instances and subclasses are not searched (that would need ``gc``,
+too slow for every process start).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 
@@ -40,34 +46,52 @@ def scope(target_module: str, policy: str | tuple[str, ...], packages: Iterable[
     return tuple(policy)
 
 
-def rebind(name: str, old: Any, new: Any, prefixes: Iterable[str], owner: ModuleType) -> list[str]:
-    """Replace ``module.<name> is old`` by ``new`` in scoped modules; return the modules changed."""
-    changed = []
+def rebind(name: str, old: Any, new: Any, prefixes: Iterable[str], owner: ModuleType, into: list[str]) -> None:
+    """Replace ``module.<name> is old`` by ``new`` in scoped modules; append each module changed to ``into``
+    as it goes, so a failure half-way leaves an exact list for ``restore``."""
     for module in _modules(prefixes):
         if module is owner:
             continue
         namespace = vars(module)
         if namespace.get(name, None) is old:
             namespace[name] = new
-            changed.append(module.__name__)
-    return changed
+            into.append(module.__name__)
 
 
-def unreachable(name: str, old: Any, prefixes: Iterable[str], owner: ModuleType) -> list[str]:
-    """``module.attr`` strings in scoped modules that still hold ``old`` (aliases under other names)."""
-    found = []
+def restore(installed: Any, original: Any, prefixes: Iterable[str], owner: ModuleType) -> None:
+    """Every attribute of a scoped module (not ``owner``) that holds ``installed`` gets ``original``,
+    except the definition of ``installed`` itself (a ``replace`` entry's function in its own module)."""
+    home = (getattr(installed, "__module__", None), getattr(installed, "__name__", None))
     for module in _modules(prefixes):
         if module is owner:
             continue
+        namespace = vars(module)
+        for attr, value in list(namespace.items()):
+            if value is installed and (module.__name__, attr) != home:
+                namespace[attr] = original
+
+
+def unreachable(name: str, old: Any, prefixes: Iterable[str], owner: ModuleType) -> list[str]:
+    """Where scoped modules still hold ``old`` after rebinding (see the module docstring)."""
+    found: list[str] = []
+    for module in _modules(prefixes):
+        if module is owner:
+            continue
+        where = module.__name__
         for attr, value in list(vars(module).items()):
-            if value is old and attr != name:
-                found.append(f"{module.__name__}.{attr}")
+            if value is old:
+                if attr != name:
+                    found.append(f"{where}.{attr}")
+            elif isinstance(value, dict):
+                found += (f"{where}.{attr}[{k!r}]" for k, v in list(value.items()) if v is old)
+            elif isinstance(value, list | tuple):
+                found += (f"{where}.{attr}[{i}]" for i, v in enumerate(value) if v is old)
+            elif isinstance(value, set | frozenset):
+                if any(v is old for v in value):
+                    found.append(f"{where}.{attr} (a set member)")
+            elif isinstance(value, FunctionType) and value.__module__ == where:
+                found += (f"{where}.{attr}.__defaults__[{i}]" for i, v in enumerate(value.__defaults__ or ())
+                          if v is old)
+                found += (f"{where}.{attr}.__kwdefaults__[{k!r}]"
+                          for k, v in (value.__kwdefaults__ or {}).items() if v is old)
     return found
-
-
-def restore(name: str, current: Any, original: Any, modules: Iterable[str]) -> None:
-    """Undo ``rebind`` in the listed modules (only where our object is still bound)."""
-    for module_name in modules:
-        module = sys.modules.get(module_name)
-        if module is not None and vars(module).get(name, None) is current:
-            vars(module)[name] = original

@@ -4,7 +4,8 @@ Only the YAML core types are built (mappings, sequences, strings, numbers,
 booleans, null); any other tag (``!!python/object`` and friends) is refused
 before anything is constructed. Duplicate keys are errors, not "last one wins".
 Anchors are allowed but the expanded document is bounded in size, so a
-"billion laughs" file fails fast.
+"billion laughs" file fails fast; the nodes are also counted while the
+document is composed, so a long file fails before its whole graph is built.
 
 ``load(text, file)`` returns ``(document, lines)`` where ``lines`` maps a path
 tuple such as ``("patches", 2, "op")`` to its 1-based line number.
@@ -18,7 +19,25 @@ import yaml
 
 from patchkit.errors import FieldPath, ManifestError, Problem, field_name
 
-_MAX_NODES = 100_000
+_MAX_NODES = 100_000  # values after expanding aliases
+_MAX_COMPOSED = 20_000  # nodes in the text itself (a shipped manifest has a few hundred)
+
+
+class _CountingLoader(yaml.SafeLoader):
+    """A SafeLoader that stops composing after ``_MAX_COMPOSED`` nodes."""
+
+    def __init__(self, stream: str, file: str) -> None:
+        super().__init__(stream)
+        self._file = file
+        self._composed = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._composed += 1
+        if self._composed > _MAX_COMPOSED:
+            mark = self.peek_event().start_mark
+            raise ManifestError([Problem(self._file, mark.line + 1, "",
+                                         f"more than {_MAX_COMPOSED} YAML nodes: not a manifest")])
+        return super().compose_node(parent, index)
 _CORE_TAGS = {
     "tag:yaml.org,2002:str",
     "tag:yaml.org,2002:int",
@@ -82,7 +101,7 @@ def load(text: str | bytes, file: str) -> tuple[Any, dict[FieldPath, int]]:
         raise ManifestError([Problem(file, line, "", "binary data (NUL byte) in a YAML file")])
     loader: yaml.SafeLoader | None = None
     try:
-        loader = yaml.SafeLoader(text)
+        loader = _CountingLoader(text, file)
         node = loader.get_single_node()
         if node is None:
             raise ManifestError([Problem(file, 1, "", "empty document")])

@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 
 import patchkit
-from patchkit import cli, manifest, pending_imports, planning
+from patchkit import cli, manifest, planning
 from patchkit.errors import ManifestError, Problem
+from patchkit.imports import pending as pending_imports
 from patchkit.planning import Runtime
 
 PLUGIN = "victimplugin"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import patchkit
-from patchkit import cache_dir, cli, fingerprint, plancache, selection, vllm_adapter
+from patchkit import cli, fingerprint, plancache, selection, vllm_adapter
 from patchkit.planning import Runtime
 
 VICTIM = {
@@ -591,32 +591,6 @@ def test_commit_ids_are_normalized():
     assert normalize_commit("gced6857af") == "ced6857af"  # CUDA wheels' git-describe form
     assert normalize_commit("CED6857AF") == "ced6857af"
     assert normalize_commit("None") is None and normalize_commit("abc") is None
-
-
-def test_wrapper_code_is_compiled_once_then_read_from_the_cache(sandbox, monkeypatch):
-    from patchkit.engine import make_wrapper
-
-    def original(x, y=2):
-        return x + y
-
-    def add_one(orig, *args, **kwargs):
-        return orig(*args, **kwargs) + 1
-
-    first = plancache.CodeCache()
-    patched = make_wrapper(add_one, original, ("t", "e"), first)
-    first.flush()
-    assert patched(1) == 4 and patched.__code__.co_filename == "<patchkit wrapper e>"
-    compiled: list[str] = []
-    real_compile = compile
-    monkeypatch.setattr("builtins.compile", lambda *a, **k: compiled.append(a[0]) or real_compile(*a, **k))
-    again = make_wrapper(add_one, original, ("t", "e"), plancache.CodeCache())  # as a new process would
-    assert again(1, y=5) == 7 and compiled == []
-    # a corrupt entry is compiled again, never trusted
-    path = cache_dir() / "code-cache.json"
-    data = json.loads(path.read_text())
-    data = {k: ("!!not-base64!!" if k.startswith("code|") else v) for k, v in data.items()}
-    path.write_text(json.dumps(data))
-    assert make_wrapper(add_one, original, ("t", "e"), plancache.CodeCache())(2) == 5 and len(compiled) == 1
 
 
 def test_non_function_callables_get_a_generic_wrapper():

@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 import patchkit
-from patchkit import engine, fingerprint, manifest, pending_imports, selection, vllm_adapter
+from patchkit import engine, fingerprint, manifest, selection, vllm_adapter
+from patchkit.imports import pending as pending_imports
 from patchkit.planning import Runtime
 from patchkit.targets import Slot, unwrap_descriptor
 

@@ -37,8 +37,9 @@ from hypothesis import strategies as st
 
 import patchkit
 from afd_patches import config as afd_config
-from patchkit import engine, manifest, pending_imports
+from patchkit import engine, manifest
 from patchkit.errors import ManifestError
+from patchkit.imports import pending as pending_imports
 from patchkit.planning import Runtime
 
 REPO = Path(__file__).resolve().parents[2]

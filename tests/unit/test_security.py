@@ -23,8 +23,9 @@ import pytest
 
 import afd_patches
 import patchkit
-from patchkit import cache_dir, manifest
+from patchkit import manifest
 from patchkit.errors import ManifestError
+from patchkit.files import cache_dir
 from patchkit.planning import Runtime
 
 REPO = Path(__file__).resolve().parents[2]
@@ -234,7 +235,7 @@ def test_a_cache_file_others_may_write_is_ignored(tree: Path, manifest_dir: Call
     folder = manifest_dir(HEAD + "patches:\n" + ENTRY)
     assert activate(folder, runtime).active
     patchkit.revert()
-    [plan] = cache_dir().glob("plan-*.json")
+    [plan] = Path(cache_dir()).glob("plan-*.json")
     data = json.loads(plan.read_text())
     data["plan"]["manifest"]["entries"][0]["with_"] = f"{SENTINEL}:boom"  # a poisoned plan
     plan.write_text(json.dumps(data))
@@ -249,7 +250,7 @@ def test_a_cache_file_others_may_write_is_ignored(tree: Path, manifest_dir: Call
 
 def test_written_cache_files_are_private(tree: Path, manifest_dir: Callable[[str], Path], runtime: Runtime) -> None:
     assert activate(manifest_dir(HEAD + "patches:\n" + ENTRY), runtime).active
-    for path in cache_dir().glob("*.json"):
+    for path in Path(cache_dir()).glob("*.json"):
         assert path.stat().st_mode & 0o077 == 0, oct(path.stat().st_mode)
 
 
