@@ -50,6 +50,8 @@ from patchkit.targets import Slot, TargetMissing, import_ref, unwrap_descriptor
 
 logger = logging.getLogger("patchkit")
 
+MODEL_REGISTRY_MODULE = "vllm.model_executor.models.registry"  # where model registrations wait
+
 _NOT_SET = object()
 
 
@@ -203,9 +205,7 @@ class Run:
                     modules.append(entry.module)
             try:
                 if any(r.outcome == "pending" for k, r in self.records.items() if k.startswith("model:")):
-                    from patchkit import vllm_adapter
-
-                    self._hook(vllm_adapter.MODEL_REGISTRY_MODULE, self._register_models)
+                    self._hook(MODEL_REGISTRY_MODULE, self._register_models)
                 for module in dict.fromkeys(modules):
                     self._hook(module, self._on_import)
             finally:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
 
 FORMAT = "patchkit-plan-4"
 _FINGERPRINTS = "fingerprints.json"
-_FINGERPRINT_VALUE = re.compile(r"ast\d+:[0-9a-f]{16}:[0-9a-f]{16}")
+_HEX = frozenset("0123456789abcdef")
 
 
 def _sha256_file(path: str) -> str:
@@ -113,9 +112,10 @@ class Fingerprints:
     def __init__(self) -> None:
         self._data: dict[str, str] | None = None
         self._new: dict[str, str] = {}
+        self._file_digests: dict[str, str] = {}  # several targets often share one source file
 
     def of(self, func: Any) -> str | None:
-        key = _source_key(func)
+        key = self._source_key(func)
         if key is not None:
             if self._data is None:
                 self._data = _valid_fingerprints(_load_json(_FINGERPRINTS))
@@ -135,24 +135,35 @@ class Fingerprints:
             self._new = {}
 
 
+    def _source_key(self, func: Any) -> str | None:
+        """``sha256(file content)|first line|qualname`` of the code under ``func``, or None."""
+        import inspect
+
+        func = getattr(func, "__func__", func)
+        func = inspect.unwrap(func) if callable(func) else func
+        code = getattr(func, "__code__", None)
+        if code is None:
+            return None
+        file = code.co_filename
+        if file not in self._file_digests:
+            try:
+                self._file_digests[file] = _sha256_file(file)
+            except OSError:
+                return None
+        return f"{self._file_digests[file]}|{code.co_firstlineno}|{code.co_qualname}"
+
+
+def _is_fingerprint(value: object) -> bool:
+    """``ast<N>:<16 hex>:<16 hex>``, the only shape a cached fingerprint may have."""
+    if not isinstance(value, str):
+        return False
+    prefix, _, rest = value.partition(":")
+    sig, _, body = rest.partition(":")
+    return (prefix.startswith("ast") and prefix[3:].isdigit() and len(sig) == len(body) == 16
+            and _HEX.issuperset(sig) and _HEX.issuperset(body))
+
+
 def _valid_fingerprints(data: Any) -> dict[str, str]:
     if not isinstance(data, dict):
         return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)
-            and _FINGERPRINT_VALUE.fullmatch(v)}
-
-
-def _source_key(func: Any) -> str | None:
-    """``sha256(file content)|first line|qualname`` of the code under ``func``, or None."""
-    import inspect
-
-    func = getattr(func, "__func__", func)
-    func = inspect.unwrap(func) if callable(func) else func
-    code = getattr(func, "__code__", None)
-    if code is None:
-        return None
-    try:
-        digest = _sha256_file(code.co_filename)
-    except OSError:
-        return None
-    return f"{digest}|{code.co_firstlineno}|{code.co_qualname}"
+    return {k: v for k, v in data.items() if isinstance(k, str) and _is_fingerprint(v)}

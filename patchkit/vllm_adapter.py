@@ -23,9 +23,6 @@ from patchkit.targets import import_ref
 
 logger = logging.getLogger("patchkit")
 
-MODEL_REGISTRY_MODULE = "vllm.model_executor.models.registry"
-
-
 def register_model(registry_module: ModuleType, arch: str, class_ref: str) -> Callable[[], None]:
     """Register ``arch`` lazily; return a function that restores the previous registration."""
     registry = registry_module.ModelRegistry

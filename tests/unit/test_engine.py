@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import patchkit
-from patchkit import cli, fingerprint, plancache, selection, vllm_adapter
+from patchkit import cli, engine, fingerprint, plancache, selection
 from patchkit.planning import Runtime
 
 VICTIM = {
@@ -493,7 +493,7 @@ def test_models_register_lazily_and_revert(sandbox, manifest_dir, runtime, monke
             ModelRegistry = _Registry()
         ''',
     })
-    monkeypatch.setattr(vllm_adapter, "MODEL_REGISTRY_MODULE", "fakereg.registry")
+    monkeypatch.setattr(engine, "MODEL_REGISTRY_MODULE", "fakereg.registry")
     d = manifest_dir(HEADER + """
 models:
   - {arch: AFDToy, class: "plug.models:AFDToy"}

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 import patchkit
-from patchkit import engine, fingerprint, manifest, selection, vllm_adapter
+from patchkit import engine, fingerprint, manifest, selection
 from patchkit.imports import pending as pending_imports
 from patchkit.planning import Runtime
 from patchkit.targets import Slot, unwrap_descriptor
@@ -177,7 +177,7 @@ def inject(doc: dict[str, Any], entry_id: str, fault: str) -> bool:
 @pytest.fixture
 def tree(sandbox: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     sandbox(TREE)
-    monkeypatch.setattr(vllm_adapter, "MODEL_REGISTRY_MODULE", "fkvllm.model_executor.models.registry")
+    monkeypatch.setattr(engine, "MODEL_REGISTRY_MODULE", "fkvllm.model_executor.models.registry")
     patchkit.revert()
     patchkit._status.clear()
     yield tmp_path
