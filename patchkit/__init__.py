@@ -25,12 +25,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+import typing
 
 from patchkit.errors import ManifestError, PatchError, PatchkitError, UnsupportedRelease
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any
+
     from patchkit.engine import Run
     from patchkit.planning import Runtime
 
