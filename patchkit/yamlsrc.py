@@ -6,6 +6,9 @@ before anything is constructed. Duplicate keys are errors, not "last one wins".
 Anchors are allowed but the expanded document is bounded in size, so a
 "billion laughs" file fails fast; the nodes are also counted while the
 document is composed, so a long file fails before its whole graph is built.
+Events come from libyaml where PyYAML was built with it (fast on large input);
+a document libyaml rejects is read again by PyYAML's Python parser, whose
+error messages are more precise.
 
 ``load(text, file)`` returns ``(document, lines)`` where ``lines`` maps a path
 tuple such as ``("patches", 2, "op")`` to its 1-based line number.
@@ -23,21 +26,51 @@ _MAX_NODES = 100_000  # values after expanding aliases
 _MAX_COMPOSED = 20_000  # nodes in the text itself (a shipped manifest has a few hundred)
 
 
-class _CountingLoader(yaml.SafeLoader):
-    """A SafeLoader that stops composing after ``_MAX_COMPOSED`` nodes."""
+class _Counting(yaml.composer.Composer):
+    """PyYAML's composer, stopping after ``_MAX_COMPOSED`` nodes; events come from the parser mixed in."""
 
-    def __init__(self, stream: str, file: str) -> None:
-        super().__init__(stream)
+    def _start(self, file: str) -> None:
+        yaml.composer.Composer.__init__(self)
+        yaml.constructor.SafeConstructor.__init__(self)  # type: ignore[arg-type]
+        yaml.resolver.Resolver.__init__(self)  # type: ignore[arg-type]
         self._file = file
         self._composed = 0
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         self._composed += 1
         if self._composed > _MAX_COMPOSED:
-            mark = self.peek_event().start_mark
+            mark = self.peek_event().start_mark  # type: ignore[attr-defined]
             raise ManifestError([Problem(self._file, mark.line + 1, "",
                                          f"more than {_MAX_COMPOSED} YAML nodes: not a manifest")])
         return super().compose_node(parent, index)
+
+
+class _PyLoader(_Counting, yaml.parser.Parser, yaml.scanner.Scanner, yaml.reader.Reader,
+                yaml.constructor.SafeConstructor, yaml.resolver.Resolver):
+    """All in Python: PyYAML's most precise error messages."""
+
+    def __init__(self, stream: str, file: str) -> None:
+        yaml.reader.Reader.__init__(self, stream)
+        yaml.scanner.Scanner.__init__(self)
+        yaml.parser.Parser.__init__(self)
+        self._start(file)
+
+
+try:  # libyaml's event parser, where PyYAML has it: about ten times faster on large input
+    from yaml.cyaml import CParser
+
+    class _CLoader(_Counting, CParser, yaml.constructor.SafeConstructor, yaml.resolver.Resolver):
+        """libyaml makes the events, PyYAML's composer (and so the node count) is the same."""
+
+        def __init__(self, stream: str, file: str) -> None:
+            CParser.__init__(self, stream)
+            self._start(file)
+
+    _FAST: type[_Counting] | None = _CLoader
+except ImportError:
+    _FAST = None
+
+
 _CORE_TAGS = {
     "tag:yaml.org,2002:str",
     "tag:yaml.org,2002:int",
@@ -50,7 +83,7 @@ _CORE_TAGS = {
 
 
 class _Builder:
-    def __init__(self, file: str, loader: yaml.SafeLoader) -> None:
+    def __init__(self, file: str, loader: _Counting) -> None:
         self.file = file
         self.loader = loader
         self.lines: dict[FieldPath, int] = {}
@@ -99,14 +132,13 @@ def load(text: str | bytes, file: str) -> tuple[Any, dict[FieldPath, int]]:
     if "\x00" in text:
         line = text.count("\n", 0, text.index("\x00")) + 1
         raise ManifestError([Problem(file, line, "", "binary data (NUL byte) in a YAML file")])
-    loader: yaml.SafeLoader | None = None
+    if _FAST is not None:
+        try:
+            return _parse(_FAST, text, file)
+        except yaml.YAMLError:
+            pass  # parsed again below, for PyYAML's more precise message
     try:
-        loader = _CountingLoader(text, file)
-        node = loader.get_single_node()
-        if node is None:
-            raise ManifestError([Problem(file, 1, "", "empty document")])
-        builder = _Builder(file, loader)
-        return builder.build(node, ()), builder.lines
+        return _parse(_PyLoader, text, file)
     except yaml.MarkedYAMLError as exc:
         # An unterminated construct is best reported where it starts, not at the end of the file.
         at_end = "end of stream" in str(exc.problem or "")
@@ -119,6 +151,15 @@ def load(text: str | bytes, file: str) -> tuple[Any, dict[FieldPath, int]]:
         raise ManifestError([Problem(file, line, "", f"invalid character {exc.character!r} in YAML")]) from None
     except yaml.YAMLError as exc:
         raise ManifestError([Problem(file, 1, "", f"invalid YAML: {exc}")]) from None
+
+
+def _parse(loader_type: type[_Counting], text: str, file: str) -> tuple[Any, dict[FieldPath, int]]:
+    loader = loader_type(text, file)  # type: ignore[call-arg]
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            raise ManifestError([Problem(file, 1, "", "empty document")])
+        builder = _Builder(file, loader)
+        return builder.build(node, ()), builder.lines
     finally:
-        if loader is not None:
-            loader.dispose()
+        loader.dispose()
