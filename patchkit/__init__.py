@@ -16,7 +16,7 @@ submodules and may change:
   ``PatchError``, ``UnsupportedRelease``.
 
 There is one way a plan gets applied: ``patchkit.engine``. What repeats between
-processes is cached as data only (``patchkit.plancache``); nothing executable
+processes is cached as data only (``patchkit.cache``); nothing executable
 is read from disk.
 """
 
@@ -92,12 +92,12 @@ def activate(plugin: str, manifest_dir: str | Path, runtime: Runtime | None = No
         current = _status.get(plugin)
         if current is not None and (current.active or current.run is None):
             return current
-        from patchkit import engine, plancache
+        from patchkit import cache, engine
         from patchkit.planning import Runtime
 
         runtime = runtime or Runtime.detect()
         try:
-            compiled = plancache.compiled(os.fspath(manifest_dir), runtime, plugin_version)
+            compiled = cache.compiled(os.fspath(manifest_dir), runtime, plugin_version)
         except ManifestError as exc:
             _logger.error("patchkit: %s: invalid manifest, nothing applied:\n%s", plugin, exc)
             return _remember(Status(plugin, False, f"invalid manifest:\n{exc}", ""))

@@ -54,7 +54,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from patchkit import fingerprint
-    from patchkit.files import manifest_files
+    from patchkit.cache import manifest_files
     from patchkit.planning import Runtime, runtime_verdict
     from patchkit.selection import compile_plan
     from patchkit.targets import Slot, TargetMissing, unwrap_descriptor

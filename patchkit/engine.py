@@ -43,8 +43,8 @@ from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
 from patchkit import imports
+from patchkit.cache import Fingerprints
 from patchkit.errors import PatchError
-from patchkit.plancache import Fingerprints
 from patchkit.planning import Compiled, Entry, Manifest, Runtime, runtime_verdict
 from patchkit.targets import Slot, TargetMissing, import_ref, unwrap_descriptor
 

@@ -11,7 +11,7 @@ A file that fails any check yields a ``ManifestError`` listing every problem; no
 object is imported while reading, so a bad manifest patches nothing.
 
 This module imports ``yaml`` and ``jsonschema``; the runtime hot path avoids it
-by reading a compiled plan from ``patchkit.plancache``.
+by reading a compiled plan from ``patchkit.cache``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import pathlib
 from functools import cache
 from typing import Any
 
+from patchkit.cache import schema_path
 from patchkit.errors import FieldPath, ManifestError, Problem, field_name
-from patchkit.files import schema_path
 from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
 
 MAX_FILE_BYTES = 256 * 1024

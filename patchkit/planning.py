@@ -1,7 +1,7 @@
 """The plan's data (entries, models, the compiled plan) and the running vLLM it is judged against.
 
 The data classes are what ``patchkit.manifest`` builds from validated YAML and
-what ``patchkit.plancache`` stores as JSON, so the plugin hook in every vLLM process
+what ``patchkit.cache`` stores as JSON, so the plugin hook in every vLLM process
 needs this module but not the YAML and JSON Schema machinery, nor
 ``patchkit.selection`` (choosing and ordering, done when the cache misses).
 Guards that can differ between processes of one installation (platform,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import patchkit
-from patchkit import cli, engine, fingerprint, plancache, selection
+from patchkit import cache, cli, engine, fingerprint, selection
 from patchkit.planning import Runtime
 
 VICTIM = {
@@ -462,18 +462,18 @@ def test_compiled_plan_is_cached(victim, manifest_dir, runtime, monkeypatch):
 patches:
   - {id: loud, target: "victim.core:greet", op: wrap, with: "plug.patches:loud", why: t}
 """)
-    first = plancache.compiled(d, runtime)
+    first = cache.compiled(d, runtime)
 
     def no_compile(*args, **kwargs):
         raise AssertionError("the cached plan should have been used")
 
     monkeypatch.setattr(selection, "compile_plan", no_compile)
-    second = plancache.compiled(d, runtime)
+    second = cache.compiled(d, runtime)
     assert second.digest == first.digest and second.order == ["loud"]
     # editing the manifest invalidates the cache
     (d / "m.yaml").write_text((d / "m.yaml").read_text() + "\n# edited, longer\n")
     with pytest.raises(AssertionError, match="cached plan"):
-        plancache.compiled(d, runtime)
+        cache.compiled(d, runtime)
 
 
 def test_models_register_lazily_and_revert(sandbox, manifest_dir, runtime, monkeypatch):

@@ -214,7 +214,7 @@ def test_a_cache_directory_that_is_not_ours_alone_is_not_used(world: dict[str, A
 def test_a_root_owned_cache_is_not_trusted_by_another_user(world: dict[str, Any], tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Owner must be the effective uid, not "or root": files root wrote are misses for anyone else."""
-    from patchkit import files
+    from patchkit import cache as patchkit_cache
 
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
@@ -223,11 +223,11 @@ def test_a_root_owned_cache_is_not_trusted_by_another_user(world: dict[str, Any]
         (cache / name).chmod(0o600)
     assert os.stat(cache).st_uid == os.geteuid()
     monkeypatch.setenv("PATCHKIT_CACHE_DIR", str(cache))
-    assert files.read_private(world["names"][0]) is not None  # this user's own file is read
+    assert patchkit_cache.read_private(world["names"][0]) is not None  # this user's own file is read
     monkeypatch.setattr(os, "geteuid", lambda: os.stat(cache).st_uid + 1)  # the same files, another user
     for name in world["names"]:
-        assert files.read_private(name) is None
-    files.write_private("other.json", b"{}")
+        assert patchkit_cache.read_private(name) is None
+    patchkit_cache.write_private("other.json", b"{}")
     assert not (cache / "other.json").exists()
 
 
@@ -240,7 +240,7 @@ def test_the_cache_holds_json_data_only(world: dict[str, Any]) -> None:
 
 
 def test_a_relative_xdg_cache_home_is_ignored(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from patchkit.files import cache_dir
+    from patchkit.cache import cache_dir
 
     monkeypatch.delenv("PATCHKIT_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")

@@ -24,8 +24,8 @@ import pytest
 import afd_patches
 import patchkit
 from patchkit import manifest
+from patchkit.cache import cache_dir
 from patchkit.errors import ManifestError
-from patchkit.files import cache_dir
 from patchkit.planning import Runtime
 
 REPO = Path(__file__).resolve().parents[2]

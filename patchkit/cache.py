@@ -1,0 +1,339 @@
+"""The on-disk cache: where it is, how its files are read and written, and what it holds.
+
+Validating YAML needs ``yaml``, ``jsonschema`` and ``packaging`` (well over
+100 ms of imports), and fingerprinting a long vLLM method means reading and
+parsing its source: too much for every vLLM process. The first process does
+that work and stores the result as JSON; later processes read one small file.
+
+Where. ``$PATCHKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/patchkit`` (only when that
+variable is an absolute path, as the XDG spec says), else ``~/.cache/patchkit``.
+
+How. The directory may sit on a path other users can reach, so it is used only
+when it is a real directory (not a symlink) that the effective user owns and
+nobody else may write; patchkit creates it with mode 0700. Files inside are
+opened relative to that directory's descriptor with ``O_NOFOLLOW | O_NONBLOCK``
+and judged by ``fstat`` of the open descriptor: a regular file, owned by the
+effective user, not group- or world-writable, one link, at most ``MAX_BYTES``.
+Anything else (a symlink, a FIFO, a hard link, a foreign owner, a huge file, an
+unusable directory) is a miss: logged at debug level, never an exception, never
+a wait. Files are written 0600 under a fresh name and renamed into place, so
+concurrent processes at worst compute the same thing twice.
+
+What. Data only, checked again when read; nothing read from here is executed.
+- a plan (``plan-<key>.json``) is keyed by the SHA-256 of every manifest's and
+  the schema's content, patchkit's plan format and version, the plugin's
+  version, the vLLM version and commit, and Python. On read it must have the
+  plan's exact shape, name one of the manifest files read for the key with that
+  file's content hash, and every callable it names must lie inside the
+  manifest's declared packages (the rule ``patchkit.manifest`` enforces);
+  anything else is a miss and the plan is compiled again.
+- fingerprints (``fingerprints.json``) are keyed by the SHA-256 of the source
+  file's content plus the definition's first line and qualified name, so an
+  edited file never finds a stale value; values must look like fingerprints.
+Only this user can write what is read here; such a user can already change
+what this user's processes run, and a file they wrote is still data.
+
+Limit: on a platform without ``O_NOFOLLOW`` and ``dir_fd`` support (Windows)
+the cache is not used at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import stat
+import sys
+from typing import TYPE_CHECKING, Any
+
+from patchkit import __version__
+
+if TYPE_CHECKING:
+    from patchkit.planning import Compiled, Runtime
+
+MAX_BYTES = 1 << 20  # a compiled plan is a few KB; anything near this is not ours
+
+_PACKAGE_DIR = os.path.dirname(__file__)
+_SUPPORTED = hasattr(os, "O_NOFOLLOW") and os.open in os.supports_dir_fd and hasattr(os, "geteuid")
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+logger = logging.getLogger("patchkit")
+
+
+def schema_path(name: str) -> str:
+    """A shipped JSON Schema, e.g. ``manifest.schema.json``: ``patchkit/_schemas/`` in a wheel,
+    the repository's ``schemas/`` in a checkout or editable install."""
+    packaged = os.path.join(_PACKAGE_DIR, "_schemas")
+    folder = packaged if os.path.isdir(packaged) else os.path.join(os.path.dirname(_PACKAGE_DIR), "schemas")
+    return os.path.join(folder, name)
+
+
+def manifest_files(directory: str | os.PathLike[str]) -> list[str]:
+    """The ``*.yaml`` files directly in ``directory``, sorted by name."""
+    try:
+        with os.scandir(directory) as it:
+            return sorted(e.path for e in it if e.name.endswith(".yaml") and e.is_file())
+    except OSError:
+        return []
+
+
+def cache_dir() -> str:
+    """The cache directory's path (it may not exist, or may be refused when used)."""
+    if os.environ.get("PATCHKIT_CACHE_DIR"):
+        return os.path.abspath(os.environ["PATCHKIT_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "patchkit")
+
+
+def _open_cache_dir(create: bool) -> int | None:
+    """A descriptor of the cache directory if it is ours alone, else None (logged at debug)."""
+    if not _SUPPORTED:
+        return None
+    path = cache_dir()
+    if create:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            logger.debug("patchkit: cache directory %s cannot be created (%s); not cached", path, exc)
+            return None
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError as exc:
+        if create:
+            logger.debug("patchkit: cache directory %s cannot be opened (%s); not cached", path, exc)
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        logger.debug("patchkit: cache directory %s is not this user's alone (owner %d, mode %o); not used",
+                     path, st.st_uid, stat.S_IMODE(st.st_mode))
+        return None
+    return fd
+
+
+def read_private(name: str) -> bytes | None:
+    """The bytes of cache file ``name`` if it passes every check in the module docstring, else None."""
+    dir_fd = _open_cache_dir(create=False)
+    if dir_fd is None:
+        return None
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except OSError:  # absent, a symlink (ELOOP), unreadable: a plain miss
+        return None
+    finally:
+        os.close(dir_fd)
+    try:
+        st = os.fstat(fd)
+        problem = _file_problem(st)
+        if problem:
+            logger.debug("patchkit: cache file %s ignored: %s", name, problem)
+            return None
+        chunks, size = [], 0
+        while size <= MAX_BYTES:
+            chunk = os.read(fd, MAX_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks) if size <= MAX_BYTES else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _file_problem(st: os.stat_result) -> str:
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}"
+    if st.st_mode & 0o022:
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    if st.st_nlink != 1:
+        return f"{st.st_nlink} hard links"
+    if st.st_size > MAX_BYTES:
+        return f"{st.st_size} bytes"
+    return ""
+
+
+def write_private(name: str, data: bytes) -> None:
+    """Write cache file ``name`` (mode 0600, temp name + rename); any OSError leaves no file."""
+    dir_fd = _open_cache_dir(create=True)
+    if dir_fd is None:
+        return
+    tmp = f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dir_fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # replaces a planted link, never follows it
+    except OSError as exc:
+        logger.debug("patchkit: cache file %s not written: %s", name, exc)
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+    finally:
+        os.close(dir_fd)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` (mode 0600) via a temp file + rename; OSError is ignored.
+
+    For files a user asked for in a folder they chose (``PATCHKIT_REPORT_DIR``): no ownership rules."""
+    import tempfile
+
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+# -- what the cache holds --------------------------------------------------------------------------
+
+FORMAT = "patchkit-plan-4"
+_FINGERPRINTS = "fingerprints.json"
+_HEX = frozenset("0123456789abcdef")
+
+
+def _sha256_file(path: str) -> str:
+    with open(path, "rb", buffering=0) as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _python_tag() -> str:
+    return f"{sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}.{sys.version_info[2]}"
+
+
+def _load_json(name: str) -> Any:
+    data = read_private(name)
+    try:
+        return json.loads(data) if data is not None else None
+    except (ValueError, RecursionError):
+        return None
+
+
+def compiled(directory: str, runtime: Runtime, plugin_version: str = "") -> Compiled:
+    """``selection.compile_plan`` for the manifests in ``directory``, read from the cache when it fits."""
+    files = manifest_files(directory)
+    digests = {p: _sha256_file(p) for p in files}
+    h = hashlib.sha256(f"{FORMAT}|{__version__}|{plugin_version}".encode())
+    for p in [*files, schema_path("manifest.schema.json")]:
+        h.update(f"{p}|{digests.get(p) or _sha256_file(p)}\n".encode())
+    h.update(f"{runtime.vllm_version}|{runtime.vllm_commit}|{_python_tag()}".encode())
+    name = f"plan-{h.hexdigest()[:32]}.json"
+    cached = _plan_from_json(_load_json(name), digests)
+    if cached is not None:
+        return cached
+    from patchkit.selection import compile_plan  # YAML, JSON Schema, selection: only on a miss
+
+    result = compile_plan(files, runtime)
+    write_private(name, json.dumps({"format": FORMAT, "plan": result.to_json()}).encode())
+    return result
+
+
+def _plan_from_json(data: Any, digests: dict[str, str]) -> Compiled | None:
+    """The cached plan if it has the right shape and agrees with the files on disk, else None."""
+    from patchkit.planning import Compiled
+
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return None
+    try:
+        plan = Compiled.from_json(data["plan"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    manifest = plan.manifest
+    if manifest is None:
+        return plan if isinstance(plan.error, str) else None
+    if digests.get(manifest.file) != manifest.digest:
+        return None
+    packages = set(manifest.packages)
+    refs = [*(e.with_ for e in manifest.entries if e.with_), *(m.class_ref for m in manifest.models)]
+    for e in manifest.entries:
+        if e.workers:
+            refs += [e.workers["role_of"], *(o["class"] for o in e.workers["overrides"])]
+    if not all(isinstance(r, str) and r.partition(":")[0].split(".")[0] in packages for r in refs):
+        return None
+    return plan
+
+
+class Fingerprints:
+    """Fingerprints of live definitions, cached by the content of their source file.
+
+    ``of(func)`` returns the fingerprint ``patchkit.fingerprint.of_object`` would
+    compute, from the cache when the same file content, line and qualname were
+    fingerprinted before. ``flush()`` stores new values (merged with the file).
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[str, str] | None = None
+        self._new: dict[str, str] = {}
+        self._file_digests: dict[str, str] = {}  # several targets often share one source file
+
+    def of(self, func: Any) -> str | None:
+        key = self._source_key(func)
+        if key is not None:
+            if self._data is None:
+                self._data = _valid_fingerprints(_load_json(_FINGERPRINTS))
+            if key in self._data:
+                return self._data[key]
+        from patchkit import fingerprint
+
+        value = fingerprint.of_object(func)
+        if key is not None and value:
+            self._data[key] = self._new[key] = value  # type: ignore[index]
+        return value
+
+    def flush(self) -> None:
+        if self._new:
+            merged = {**_valid_fingerprints(_load_json(_FINGERPRINTS)), **self._new}
+            write_private(_FINGERPRINTS, json.dumps(merged).encode())
+            self._new = {}
+
+
+    def _source_key(self, func: Any) -> str | None:
+        """``sha256(file content)|first line|qualname`` of the code under ``func``, or None."""
+        import inspect
+
+        func = getattr(func, "__func__", func)
+        func = inspect.unwrap(func) if callable(func) else func
+        code = getattr(func, "__code__", None)
+        if code is None:
+            return None
+        file = code.co_filename
+        if file not in self._file_digests:
+            try:
+                self._file_digests[file] = _sha256_file(file)
+            except OSError:
+                return None
+        return f"{self._file_digests[file]}|{code.co_firstlineno}|{code.co_qualname}"
+
+
+def _is_fingerprint(value: object) -> bool:
+    """``ast<N>:<16 hex>:<16 hex>``, the only shape a cached fingerprint may have."""
+    if not isinstance(value, str):
+        return False
+    prefix, _, rest = value.partition(":")
+    sig, _, body = rest.partition(":")
+    return (prefix.startswith("ast") and prefix[3:].isdigit() and len(sig) == len(body) == 16
+            and _HEX.issuperset(sig) and _HEX.issuperset(body))
+
+
+def _valid_fingerprints(data: Any) -> dict[str, str]:
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and _is_fingerprint(v)}
