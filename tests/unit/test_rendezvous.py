@@ -8,7 +8,6 @@ the test process and speak raw TCP to the FFN rank's port.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -16,10 +15,9 @@ import socket
 import time
 from typing import Any
 
+import afd_probe  # tests/ is on sys.path (tests/conftest.py)
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from test_connector import (
     _CTX,
     HIDDEN,
@@ -112,62 +110,6 @@ def hostile_header_worker(cfg: AfdConfig, shape: list[int], queue: Any) -> None:
     conn.close()
 
 
-# --------------------------------------------------------------------------- raw clients
-def _connect(port: int, host: str = FFN_HOST) -> socket.socket:
-    return socket.create_connection((host, port), timeout=5)
-
-
-def _read_line(sock: socket.socket, timeout: float = 5.0) -> bytes:
-    sock.settimeout(timeout)
-    buf = b""
-    while b"\n" not in buf:
-        chunk = sock.recv(4096)
-        if not chunk:
-            return buf
-        buf += chunk
-    return buf.split(b"\n", 1)[0]
-
-
-def _authenticated(port: int, token: str | None, hello: dict[str, Any]) -> tuple[bytes, bytes]:
-    """Run the protocol with ``token``; return (challenge line, what came after our proof and hello)."""
-    with _connect(port) as s:
-        nj = auth.nonce()
-        s.sendall(json.dumps({"afd_hello": handshake.PROTOCOL, "nonce": nj.hex()}).encode() + b"\n")
-        challenge = _read_line(s)
-        nh = bytes.fromhex(json.loads(challenge)["nonce"])
-        key = token.encode() if token else None
-        proof = auth.proof(key, auth.JOIN_LABEL, nj, nh).hex()
-        s.sendall(json.dumps({"proof": proof, **hello}).encode() + b"\n")
-        rest = b""
-        s.settimeout(5)
-        try:
-            while chunk := s.recv(4096):
-                rest += chunk
-        except OSError:
-            pass
-        return challenge, rest
-
-
-def scan(port: int) -> tuple[dict[str, bytes], list[socket.socket]]:
-    """What a scanner gets from each probe; the 20 idle connections it leaves open."""
-    idle = [_connect(port) for _ in range(20)]
-    got: dict[str, bytes] = {}
-    for name, data in [("random bytes", b"\x00\xff" + secrets.token_bytes(3000) + b"\n"),
-                       ("60 KB line", b"[" * 60_000 + b"\n"),
-                       ("deep nesting", b"[" * 15_000 + b"\n"),
-                       ("empty-fields hello", b'{"afd_hello": 1, "role": "attention", "rank": 0, "fields": {}}\n')]:
-        with _connect(port) as s:
-            try:
-                s.sendall(data)
-                got[name] = _read_line(s)
-            except OSError:
-                got[name] = b""
-    _, got["wrong token"] = _authenticated(port, "w" * 32, {"role": "attention", "rank": 0, "fields": {}})
-    _, got["unknown role"] = _authenticated(port, TOKEN, {"role": "router", "rank": 0, "fields": {}})
-    _, got["duplicate rank"] = _authenticated(port, TOKEN, {"role": "ffn", "rank": 0, "fields": {}})
-    return got, idle
-
-
 # --------------------------------------------------------------------------- tests
 def test_listener_binds_the_configured_host_only() -> None:
     port = free_port()
@@ -232,15 +174,8 @@ def test_scanner_then_the_real_peer_is_served_exactly() -> None:
     port = free_port()
     queue = _CTX.Queue()
     ffn = start(logged_ffn_worker, host_config("ffn", port, timeout_s=60.0), queue, TOKEN)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection((FFN_HOST, port), timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "FFN rank never listened"
-            time.sleep(0.1)
-    got, idle = scan(port)
+    afd_probe.wait_listening(FFN_HOST, port, 30)
+    got, idle = afd_probe.scan(FFN_HOST, port, TOKEN)
     try:
         plan = [3, 0, 5]
         attn = start(token_attention_worker, host_config("attention", port), TOKEN, plan, queue)
@@ -252,22 +187,10 @@ def test_scanner_then_the_real_peer_is_served_exactly() -> None:
     assert res["attention0"] == {"error": None, "mismatches": 0, "sent": 6, "received": 6}, res
     assert res["attention0-elapsed"]["elapsed"] < SLACK_S + 2, res  # idle connections delayed nothing
     assert res["ffn0"]["error"] == "ConnectorClosed" and res["ffn0"]["calls"] == 6, res["ffn0"]
-    for name, answer in got.items():  # without the token nothing but a challenge comes back
-        if name in ("unknown role", "duplicate rank"):
-            continue
-        assert b"num_attention_ranks" not in answer and b"inline_bytes" not in answer, (name, answer)
-    assert got["wrong token"].count(b"authentication failed") == 1
-    assert b"not part of the topology" in got["unknown role"] and b"already taken" in got["duplicate rank"]
-    refused = [line for line in res["ffn0"]["log"] if "refused the connection" in line]
-    print("\n".join(refused))
-    reasons = {"line longer": 1, "not JSON": 2, "not JSON (RecursionError)": 1, "not an AFD protocol 2 hello": 1,
-               "wrong token": 1, "not part of the topology": 1, "ffn rank 0 is already taken": 1,
-               "(connection closed)": 1}  # the last one: this test's probe for the listening port
-    for words, n in reasons.items():
-        assert sum(words in line for line in refused) == n, (words, refused)
-    silent = sum("no AFD hello in time" in line or "before the handshake ended" in line for line in refused)
-    assert silent == 20, refused
-    assert len(refused) == 8 + 20, refused
+    print("\n".join(line for line in res["ffn0"]["log"] if "refused" in line))
+    afd_probe.check_scan(got, res["ffn0"]["log"])
+    assert sum("refused the connection" in line for line in res["ffn0"]["log"]) == (
+        afd_probe.SCAN_PROBES + afd_probe.IDLE_CONNECTIONS + 1)  # + wait_listening's probe
 
 
 @pytest.mark.parametrize("attention_token", ["other", None], ids=["wrong", "none"])
@@ -293,30 +216,6 @@ def test_wrong_token_fails_both_sides_naming_the_cause(attention_token: str | No
 
 
 FUZZ_S = 30.0
-_fuzz = {"connections": 0, "t0": 0.0}
-
-_json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
-                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                         max_size=4), max_leaves=20)
-_first_lines = st.one_of(
-    st.binary(max_size=4096),
-    _json_values.map(lambda v: json.dumps(v).encode() + b"\n"),
-    st.fixed_dictionaries({"afd_hello": st.sampled_from([2, 1, "2", None]),
-                           "nonce": st.one_of(st.text(max_size=70), st.just("ab" * 32))}).map(
-        lambda d: json.dumps(d).encode() + b"\n"),
-)
-
-
-def _fuzz_once(port: int, first: bytes, second: bytes, wait_answer: bool) -> None:
-    _fuzz["connections"] += 1
-    try:
-        with _connect(port) as s:
-            s.sendall(first)
-            if wait_answer:
-                _read_line(s, 0.2)
-                s.sendall(second)
-    except OSError:
-        pass
 
 
 def test_fuzzed_rendezvous_then_the_real_peer_is_served(tmp_path: Any) -> None:
@@ -324,30 +223,14 @@ def test_fuzzed_rendezvous_then_the_real_peer_is_served(tmp_path: Any) -> None:
     port = free_port()
     queue = _CTX.Queue()
     ffn = start(logged_ffn_worker, host_config("ffn", port, timeout_s=FUZZ_S + 60), queue, TOKEN)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection((FFN_HOST, port), timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "FFN rank never listened"
-            time.sleep(0.1)
-    _fuzz.update(connections=0, t0=time.monotonic())
-
-    @settings(max_examples=1500, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-    @given(first=_first_lines, second=st.one_of(st.binary(max_size=2048), _json_values.map(
-        lambda v: json.dumps(v).encode() + b"\n")), wait_answer=st.booleans())
-    def fuzz(first: bytes, second: bytes, wait_answer: bool) -> None:
-        if time.monotonic() - _fuzz["t0"] < FUZZ_S:
-            _fuzz_once(port, first, second, wait_answer)
-
-    fuzz()
-    spent = time.monotonic() - _fuzz["t0"]
+    afd_probe.wait_listening(FFN_HOST, port, 30)
+    t0 = time.monotonic()
+    connections = afd_probe.fuzz(FFN_HOST, port, FUZZ_S)
+    spent = time.monotonic() - t0
     attn = start(token_attention_worker, host_config("attention", port), TOKEN, [2, 1], queue)
     res = collect(queue, {"attention0", "ffn0"}, 60)
     _join_all([ffn, attn], 10)
-    print(f"fuzz: {_fuzz['connections']} connections in {spent:.1f}s; the FFN then served the real peer")
-    assert 0 < _fuzz["connections"] <= 2000 and spent < FUZZ_S + 10
+    print(f"fuzz: {connections} connections in {spent:.1f}s; the FFN then served the real peer")
+    assert 0 < connections <= 2000 and spent < FUZZ_S + 10
     assert res["attention0"] == {"error": None, "mismatches": 0, "sent": 4, "received": 4}, res
     assert res["ffn0"]["error"] == "ConnectorClosed" and res["ffn0"]["calls"] == 4, res["ffn0"]
