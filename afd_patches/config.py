@@ -39,7 +39,11 @@ class AfdConfig:
     allow_unauthenticated: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The keys ``parse`` accepts again (an unset ``token_file`` is left out)."""
+        d = asdict(self)
+        if d["token_file"] is None:
+            del d["token_file"]
+        return d
 
 
 @cache

@@ -11,6 +11,7 @@ import json
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -30,14 +31,19 @@ def connect(host: str, port: int) -> socket.socket:
     return socket.create_connection((host, port), timeout=5)
 
 
-def wait_listening(host: str, port: int, timeout_s: float) -> None:
-    """Return once ``host:port`` accepts a connection (that probe is refused and logged once by the FFN rank)."""
+def wait_listening(host: str, port: int, timeout_s: float, alive: Callable[[], str | None] = lambda: None) -> None:
+    """Return once ``host:port`` accepts a connection (that probe is refused and logged once by the FFN rank).
+
+    ``alive()`` returns ``None`` while the FFN process runs, else why it is gone (then this fails at once).
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             socket.create_connection((host, port), timeout=1).close()
             return
         except OSError:
+            if (gone := alive()) is not None:
+                raise AssertionError(f"the FFN process is gone before it listened at {host}:{port}: {gone}") from None
             if time.monotonic() > deadline:
                 raise AssertionError(f"nothing listens at {host}:{port} after {timeout_s}s") from None
             time.sleep(0.1)

@@ -54,6 +54,7 @@ import errno
 import json
 import logging
 import queue
+import selectors
 import socket
 import threading
 import time
@@ -307,8 +308,37 @@ class _Gate:
         if late:
             conn.close()
 
+    def accept_from(self, listener: socket.socket) -> None:
+        """Accept on ``listener`` in a thread until ``finish()``; each connection gets its own handler."""
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._acceptor = threading.Thread(target=self._accept_loop, args=(listener,), name="afd-accept",
+                                          daemon=True)
+        self._acceptor.start()
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        listener.settimeout(POLL_S)  # accept() never blocks longer, even after a connection vanished
+        with selectors.DefaultSelector() as sel:
+            sel.register(listener, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                if any(key.fileobj is self._wake_r for key, _ in sel.select()):
+                    return
+                try:
+                    conn, addr = listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError as e:  # out of descriptors, say: wait instead of spinning
+                    logger.warning("AFD rendezvous at %s: accept failed (%s)", self.address, e)
+                    time.sleep(POLL_S)
+                    continue
+                self.start(conn, addr)
+
     def finish(self) -> None:
-        """Stop handing over hellos; refuse (and log) every connection still in authentication."""
+        """Stop accepting and handing over hellos; refuse (and log) every connection still in authentication."""
+        self._wake_w.send(b"x")
+        self._acceptor.join()
+        self._wake_r.close()
+        self._wake_w.close()
         with self.lock:
             self.closed = True
             pending = list(self.open)
@@ -331,6 +361,7 @@ def collect(listener: socket.socket, own: Hello, expected: set[tuple[str, int]],
     and ``ConnectorMismatch``/``ConnectorTimeout``/``ConnectorError`` is raised.
     """
     gate = _Gate(own, token, address)
+    gate.accept_from(listener)
     waiting: dict[tuple[str, int], _Joined] = {}
     current: _Joined | None = None
     try:
@@ -345,14 +376,8 @@ def collect(listener: socket.socket, own: Hello, expected: set[tuple[str, int]],
                     f"rank(s) within {timeout_s:g}s; missing: {missing}{gate.summary()}"
                 )
             try:
-                current = gate.joined.get_nowait()
+                current = gate.joined.get(timeout=min(left, POLL_S))
             except queue.Empty:
-                listener.settimeout(min(left, POLL_S))
-                try:
-                    conn, addr = listener.accept()
-                except TimeoutError:
-                    continue
-                gate.start(conn, addr)
                 continue
             diff = differences(own, current.hello)
             if diff:

@@ -25,3 +25,13 @@ def tiny_llama() -> Path:
     from tiny_model import build
 
     return build(REPO / ".cache" / "models" / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny float32 Llama with a tiny word-level tokenizer, for the OpenAI-server tests."""
+    from tiny_model import build
+    from tiny_tokenizer import build_tokenizer
+
+    path = build(tmp_path_factory.mktemp("afd-server") / "tiny-llama", "llama")
+    return build_tokenizer(path, vocab_size=512)

@@ -173,3 +173,13 @@ def test_token_file_refusals(tmp_path, no_token: None) -> None:
     big.write_text("x" * 5000)
     big.chmod(0o600)
     _refused(str(big), "more than 4096")
+
+
+def test_to_dict_parses_again(tmp_path, no_token: None) -> None:
+    """The front end stores the normalized config and parses it again in later processes."""
+    assert parse(parse({"role": "ffn"}).to_dict()) == parse({"role": "ffn"})
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    path.chmod(0o600)
+    cfg = parse({"role": "ffn", "host": "10.0.0.1", "token_file": str(path)})
+    assert parse(cfg.to_dict()) == cfg

@@ -234,3 +234,38 @@ def test_fuzzed_rendezvous_then_the_real_peer_is_served(tmp_path: Any) -> None:
     assert 0 < connections <= 2000 and spent < FUZZ_S + 10
     assert res["attention0"] == {"error": None, "mismatches": 0, "sent": 4, "received": 4}, res
     assert res["ffn0"]["error"] == "ConnectorClosed" and res["ffn0"]["calls"] == 4, res["ffn0"]
+
+
+def reforming_ffn_worker(cfg: AfdConfig, queue: Any, groups: int) -> None:
+    """Serve ``groups`` groups one after the other on the same host:port, as the FFN role worker does."""
+    os.environ[auth.TOKEN_ENV] = TOKEN
+    calls = []
+    for _ in range(groups):
+        conn = TorchDistConnector(cfg)
+        conn.init()
+        n = 0
+        try:
+            while True:
+                meta, xs = conn.recv_attn_output()
+                conn.send_ffn_output([x * 2 + 1 for x in xs], meta)
+                n += 1
+        except ConnectorError as e:
+            conn.close()
+            calls.append((n, type(e).__name__))
+    queue.put(("ffn0", {"groups": calls}))
+
+
+def test_a_new_group_forms_on_the_same_port_after_a_clean_close() -> None:
+    """Attention closes; the same FFN process forms a second group at the same host:port for a new one."""
+    port = free_port()
+    queue = _CTX.Queue()
+    ffn = start(reforming_ffn_worker, host_config("ffn", port), queue, 2)
+    first = start(token_attention_worker, host_config("attention", port), TOKEN, [2, 1], queue)
+    assert collect(queue, {"attention0"}, 60)["attention0"]["error"] is None
+    _join_all([first], 10)
+    queue.get(timeout=5)  # attention0-elapsed
+    second = start(token_attention_worker, host_config("attention", port), TOKEN, [1, 3, 0], queue)
+    got = collect(queue, {"attention0", "ffn0"}, 60)
+    _join_all([ffn, second], 10)
+    assert got["attention0"] == {"error": None, "mismatches": 0, "sent": 6, "received": 6}, got
+    assert got["ffn0"]["groups"] == [(4, "ConnectorClosed"), (6, "ConnectorClosed")], got
