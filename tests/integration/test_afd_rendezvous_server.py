@@ -28,6 +28,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import afd_probe  # tests/ is on sys.path (tests/conftest.py)
 import pytest
@@ -36,7 +37,6 @@ from test_afd_server import (
     ABS_TOL,
     HOST,
     MAX_TOKENS,
-    PROMPT,
     START_TIMEOUT_S,
     _complete,
     _env,
@@ -47,7 +47,7 @@ from test_afd_server import (
     _token_id,
     _wait_healthy,
 )
-from vllm_run import REPO, run_generate
+from vllm_run import REPO
 
 pytestmark = pytest.mark.vllm
 
@@ -94,10 +94,8 @@ def test_non_loopback_host_without_token_fails_fast(model_dir: Path, tmp_path: P
     print(f"non-loopback host without a token: refused in {elapsed:.1f}s")
 
 
-def test_token_scanner_rolling_restart_and_metrics(model_dir: Path, tmp_path: Path) -> None:
-    plain = run_generate(model_dir, "--prompts", " ".join(map(str, PROMPT)), "--max-tokens", str(MAX_TOKENS),
-                         timeout=START_TIMEOUT_S)
-    assert plain.returncode == 0 and plain.result, plain.output[-3000:]
+def test_token_scanner_rolling_restart_and_metrics(model_dir: Path, plain_generation: Any, tmp_path: Path) -> None:
+    plain = plain_generation
     afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
     arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
     common = [*arch, "--afd-port", str(afd_port), "--afd-host", FFN_HOST, "--afd-timeout-s", "300"]
@@ -118,6 +116,7 @@ def test_token_scanner_rolling_restart_and_metrics(model_dir: Path, tmp_path: Pa
         attn_s = _wait_healthy(attn, attn_port, attn_log, START_TIMEOUT_S)
         for s in idle:
             s.close()
+        scan_log = ffn_log.read_text(errors="replace").splitlines()  # the fuzz below adds more refusals
         before = _wait_metric(attn_port, "vllm:afd_exchanges_total", "attention", -1.0, 1.0)
         first = _complete(attn_port, model_dir)
         after = _wait_metric(attn_port, "vllm:afd_exchanges_total", "attention", before + LAYERS * MAX_TOKENS)
@@ -134,7 +133,6 @@ def test_token_scanner_rolling_restart_and_metrics(model_dir: Path, tmp_path: Pa
         refused = _metric(ffn_port, "vllm:afd_handshakes_refused_total", "ffn")
         ffn_pid = ffn.pid
         assert procs[0] is ffn and ffn.poll() is None
-    log = ffn_log.read_text(errors="replace").splitlines()
 
     tokens = _tokens(first)
     assert tokens == plain.result["tokens"][0], f"AFD {tokens} != plain vLLM {plain.result['tokens'][0]}"
@@ -150,7 +148,7 @@ def test_token_scanner_rolling_restart_and_metrics(model_dir: Path, tmp_path: Pa
     assert reformed == 1.0
     assert 0 < connections <= 2000
     assert refused >= afd_probe.SCAN_PROBES + afd_probe.IDLE_CONNECTIONS + connections * 0.5, (refused, connections)
-    afd_probe.check_scan(got, log)
+    afd_probe.check_scan(got, scan_log)
     assert ffn.pid == ffn_pid
     print(f"attention joined after the scanner in {attn_s:.1f}s, again after the restart in {attn2_s:.1f}s; "
           f"tokens {tokens} equal plain vLLM (max |dlogprob| {worst:.1e}); exchanges +{after - before:g}; "

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 from afd_engine import free_port, group_members, tail  # scripts/ is on sys.path (tests/integration/conftest.py)
-from vllm_run import REPO, run_generate, vllm_env
+from vllm_run import REPO, vllm_env
 
 pytestmark = pytest.mark.vllm
 
@@ -148,12 +148,9 @@ def _token_id(text: str) -> int:
     return int(text.split(":", 1)[1])
 
 
-def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, tmp_path: Path) -> None:
-    t0 = time.monotonic()
-    plain = run_generate(model_dir, "--prompts", " ".join(map(str, PROMPT)), "--max-tokens", str(MAX_TOKENS),
-                         timeout=START_TIMEOUT_S)
-    assert plain.returncode == 0 and plain.result, plain.output[-3000:]
-    plain_s = time.monotonic() - t0
+def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, plain_generation: Any,
+                                                          tmp_path: Path) -> None:
+    plain = plain_generation
     plain_tokens = plain.result["tokens"][0]
     plain_logprobs = plain.result["logprobs"][0]
 
@@ -190,7 +187,7 @@ def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, tmp_p
     assert attn_stats["kv_cache_bytes"] > 0 and attn_stats["messages_sent"] > 0
     assert ffn_stats["role"] == "ffn" and ffn_stats["kv_cache_bytes"] == 0 and ffn_stats["attn_param_names"] == []
     assert ffn_stats["messages_received"] == attn_stats["messages_sent"] == attn_stats["messages_received"]
-    print(f"AFD server: tokens {tokens} equal plain vLLM; max |dlogprob| {worst:.1e}; plain offline {plain_s:.1f}s, "
+    print(f"AFD server: tokens {tokens} equal plain vLLM; max |dlogprob| {worst:.1e}; "
           f"FFN server healthy in {ffn_s:.1f}s, attention server in {attn_s:.1f}s, request {request_s:.2f}s; "
           f"{attn_stats['messages_sent']} layer messages exchanged")
 
