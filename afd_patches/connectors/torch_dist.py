@@ -128,6 +128,7 @@ DTYPE_CODES: dict[str, int] = {
     "float8_e5m2fnuz": 14,
 }
 _CODE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+_ITEMSIZE = {name: getattr(torch, name).itemsize for name in DTYPE_CODES if hasattr(torch, name)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -230,6 +231,7 @@ class TorchDistConnector(Connector):
         self._out_device: torch.device = self.device
         self._cancel = threading.Event()
         self._sent_at = self._received_at = 0.0  # exchange latency: attention send, FFN inputs complete
+        self._want_dtype = self.identity.get("dtype")
         try:
             self._token = auth.load_token(config.token_file)
             auth.check_policy(config.host, self._token, config.allow_unauthenticated)
@@ -455,9 +457,16 @@ class TorchDistConnector(Connector):
         """
         ident = self.identity
         shape = header.shape
-        nbytes = getattr(torch, header.dtype).itemsize
+        nbytes = _ITEMSIZE.get(header.dtype, 0)
+        if not nbytes:
+            self._broken = f"bad header from {self._describe(peer)}"
+            raise ConnectorError(f"AFD {self._me()}: {self._describe(peer)} announced dtype {header.dtype}, "
+                                 "which this torch build lacks")
         for dim in shape:
             nbytes *= max(dim, 0)
+        if shape == self._usual_shape(shape) and header.dtype == self._want_dtype and (
+                not header.inline or nbytes <= self.inline_bytes):
+            return nbytes  # the common case, checked in a few comparisons
         problems = []
         if any(dim < 0 for dim in shape):
             problems.append("a negative dimension")
@@ -477,6 +486,14 @@ class TorchDistConnector(Connector):
             raise ConnectorError(f"AFD {self._me()}: {self._describe(peer)} announced {header.dtype}{list(shape)} "
                                  f"for {what}: {'; '.join(problems)}; nothing was allocated")
         return nbytes
+
+    def _usual_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """``shape`` itself when it is ``(rows, hidden_size)`` with ``0 <= rows <= max_num_batched_tokens``
+        and the identity gives both, else ``None`` (then ``_check_header`` looks closer)."""
+        hidden, limit = self.identity.get("hidden_size"), self.identity.get("max_num_batched_tokens")
+        if hidden and limit and len(shape) == 2 and shape[1] == hidden and 0 <= shape[0] <= limit:
+            return shape
+        return None
 
     def _recv_payload(self, message: torch.Tensor, header: Header, peer: int, what: str) -> tuple[torch.Tensor, Any]:
         """The payload described by ``header``: a view into ``message`` when inline, else a posted receive."""
