@@ -10,18 +10,23 @@ engine starts as for an attention-free model and allocates no cache), prefix
 caching off, no warm-up forwards, never runs ``execute_model``. After the model
 is loaded a daemon thread connects and serves: receive one layer's hidden
 states from every attention rank it serves, run that layer's FFN once on all of
-them, send each rank its slice. It stops on ``ConnectorClosed`` (the attention
-side shut down) or ``shutdown()``, and on any other connector error (a lost
-peer, a peer silent past a timeout, a handshake mismatch): that one is logged
-as a single ``AFD FFN serve loop stopped: …`` line naming the peer and is
-re-raised by ``afd_wait()``, so an FFN process blocked there ends. An idle but
-connected attention engine ends nothing. The connector is unusable after such
-an error; the engine does not reconnect.
+them, send each rank its slice. When every attention rank it serves has closed
+cleanly (``ConnectorClosed``), it builds a new connector and waits on the same
+``host:port`` for a new group (as long as ``idle_timeout_s``, default a week;
+a new group whose handshake fails is logged and waited for again), so attention
+engines can be restarted without the FFN engine. It stops on ``shutdown()``
+(which cancels a handshake in progress) and on any other connector error in a
+group, or a first handshake that does not complete within ``timeout_s``: that
+one is logged as a single ``AFD FFN serve loop stopped: …`` line naming the
+peer and is re-raised by ``afd_wait()``; an FFN engine behind the API server
+then stops (see ``FfnRoleMixin._afd_stop_engine``), so a failed loop never
+looks healthy. An idle but connected attention engine ends nothing.
 
 Both expose, through ``collective_rpc``: ``afd_stats()`` (role, steps,
-messages, KV cache bytes, parameter names of FFN/attention kind) and, on the FFN
-role, ``afd_wait(timeout_s)`` which blocks until the serve loop ends and
-re-raises its error.
+messages over every group served, KV cache bytes, parameter names of
+FFN/attention kind) and, on the FFN role, ``afd_wait(timeout_s)`` which blocks
+until a group ended or the serve loop stopped, and re-raises its error. Both
+start the ``vllm:afd_*`` metrics writer (``afd_patches.connectors.metrics``).
 
 Lockstep (rA:1F): an idle vLLM engine does not step, yet the FFN rank waits
 for every attention rank it serves before its one batched call. So when an
@@ -34,10 +39,9 @@ busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
 Limits: one connector per worker (no TP/PP inside a role); the FFN loop serves
 one layer message at a time (no micro-batch overlap); idle ticks cost empty
 exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
-attention rank that shuts down counts as idle from then on; the FFN rank's loop
-ends when every rank it serves has shut down. A loop that stops with an error
-while nobody waits in ``afd_wait()`` (an FFN engine behind vLLM's API server)
-stops its process: see ``FfnRoleMixin._afd_stop_engine``.
+attention rank that shuts down counts as idle from then on; a group's
+membership is fixed, so with several attention ranks per FFN rank a new group
+forms only after all of them have shut down.
 """
 
 from __future__ import annotations
