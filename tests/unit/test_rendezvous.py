@@ -61,18 +61,24 @@ def logged_ffn_worker(cfg: AfdConfig, queue: Any, token: str | None, identity: d
         os.environ[auth.TOKEN_ENV] = token
     records = _Records()
     logging.getLogger("afd").addHandler(records)
-    conn = TorchDistConnector(cfg, identity=identity)
+    calls, error, message = _serve_one_group(TorchDistConnector(cfg, identity=identity))
+    queue.put(("ffn0", {"calls": calls, "error": error, "message": message, "log": records.lines}))
+
+
+def _serve_one_group(conn: TorchDistConnector) -> tuple[int, str, str]:
+    """Form the group, answer x*2+1 until a connector error (``ConnectorClosed`` at a clean end), close;
+    (calls, error class, message). The exception itself is not returned: its traceback would keep the
+    group's store, and so the port, alive."""
     calls = 0
     try:
         conn.init()
-        queue.put(("ffn0-formed", {}))
         while True:
             meta, xs = conn.recv_attn_output()
             conn.send_ffn_output([x * 2 + 1 for x in xs], meta)
             calls += 1
     except ConnectorError as e:
         conn.close()
-        queue.put(("ffn0", {"calls": calls, "error": type(e).__name__, "message": str(e), "log": records.lines}))
+        return calls, type(e).__name__, str(e)
 
 
 def token_attention_worker(cfg: AfdConfig, token: str | None, plan: list[int], queue: Any) -> None:
@@ -241,17 +247,8 @@ def reforming_ffn_worker(cfg: AfdConfig, queue: Any, groups: int) -> None:
     os.environ[auth.TOKEN_ENV] = TOKEN
     calls = []
     for _ in range(groups):
-        conn = TorchDistConnector(cfg)
-        conn.init()
-        n = 0
-        try:
-            while True:
-                meta, xs = conn.recv_attn_output()
-                conn.send_ffn_output([x * 2 + 1 for x in xs], meta)
-                n += 1
-        except ConnectorError as e:
-            conn.close()
-            calls.append((n, type(e).__name__))
+        n, error, _ = _serve_one_group(TorchDistConnector(cfg))
+        calls.append((n, error))
     queue.put(("ffn0", {"groups": calls}))
 
 
