@@ -5,7 +5,10 @@ Present means AFD is on. Keys are checked against ``schemas/afd-config.schema.js
 ``afd_host`` and ``afd_port`` are accepted, but an alias together with its
 canonical key is an error. Topology rules (A ≥ F, A % F == 0, rank within its
 role) are checked here too, so every mistake surfaces in the front end, naming
-the key, before any worker starts.
+the key, before any worker starts. The rendezvous token is checked here too
+(``token_file`` readable and private, or ``AFD_TOKEN`` set, whenever ``host`` is
+not loopback; see ``afd_patches.connectors.auth``); its value is never part of the
+config.
 """
 
 from __future__ import annotations
@@ -32,9 +35,15 @@ class AfdConfig:
     rank: int = 0
     timeout_s: float = 60.0
     connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    token_file: str | None = None
+    allow_unauthenticated: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The keys ``parse`` accepts again (an unset ``token_file`` is left out)."""
+        d = asdict(self)
+        if d["token_file"] is None:
+            del d["token_file"]
+        return d
 
 
 @cache
@@ -73,6 +82,7 @@ def parse(raw: Any) -> AfdConfig:
     cfg = AfdConfig(**values)
     _check_topology(cfg)
     _check_connector(cfg)
+    _check_auth(cfg)
     return cfg
 
 
@@ -104,6 +114,20 @@ def _check_connector(cfg: AfdConfig) -> None:
 
     if cfg.connector not in REGISTRY:
         raise _fail("connector", f"unknown connector {cfg.connector!r} (known: {', '.join(sorted(REGISTRY))})")
+
+
+def _check_auth(cfg: AfdConfig) -> None:
+    """The token must be readable where set, and present unless ``host`` is loopback (see ``connectors.auth``)."""
+    from afd_patches.connectors import auth
+
+    try:
+        token = auth.load_token(cfg.token_file)
+    except auth.TokenError as e:
+        raise _fail("token_file", str(e)) from None
+    try:
+        auth.check_policy(cfg.host, token, cfg.allow_unauthenticated)
+    except auth.TokenError as e:
+        raise _fail("host", str(e)) from None
 
 
 def from_additional_config(additional_config: dict[str, Any] | None) -> AfdConfig | None:

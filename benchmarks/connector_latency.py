@@ -6,6 +6,12 @@ back (``recv_attn_output`` + ``send_ffn_output``, no compute). Prints the median
 and p99 in microseconds over ``--iters`` exchanges after ``--warmup``.
 
     .venv/bin/python benchmarks/connector_latency.py [--iters 2000] [--tokens 8] [--hidden 64] [--inline-bytes N]
+        [--baseline DIR [--rounds 3]]
+
+``--baseline DIR``: DIR holds another version of ``afd_patches`` (e.g. from
+``git worktree add /tmp/afd-main main``); each round then measures the baseline
+and this checkout one after the other, in the same run, and the medians of
+both are printed per round and overall.
 
 Runs two local processes on a free loopback port; nothing leaves the machine.
 """
@@ -16,8 +22,15 @@ import argparse
 import multiprocessing as mp
 import socket
 import statistics
+import sys
 import time
 from typing import Any
+
+
+def _use(src: str | None) -> None:
+    """Import ``afd_patches`` from ``src`` (a baseline checkout) instead of this one."""
+    if src:
+        sys.path.insert(0, src)
 
 
 def _config(role: str, port: int, inline_bytes: int) -> Any:
@@ -27,7 +40,8 @@ def _config(role: str, port: int, inline_bytes: int) -> Any:
     return AfdConfig(role=role, host="127.0.0.1", port=port, timeout_s=30.0, connector_extra_config=extra)
 
 
-def _ffn(port: int, inline_bytes: int) -> None:
+def _ffn(port: int, inline_bytes: int, src: str | None) -> None:
+    _use(src)
     import torch
 
     from afd_patches.connectors.base import ConnectorClosed
@@ -46,7 +60,9 @@ def _ffn(port: int, inline_bytes: int) -> None:
         conn.close()
 
 
-def _attention(port: int, inline_bytes: int, iters: int, warmup: int, tokens: int, hidden: int, out: Any) -> None:
+def _attention(port: int, inline_bytes: int, iters: int, warmup: int, tokens: int, hidden: int, out: Any,
+               src: str | None) -> None:
+    _use(src)
     import torch
 
     from afd_patches.connectors.torch_dist import TorchDistConnector
@@ -74,23 +90,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=2000)
-    parser.add_argument("--warmup", type=int, default=200)
-    parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument(
-        "--inline-bytes", type=int, default=64 * 1024, help="payloads up to this size ride in the header message"
-    )
-    args = parser.parse_args()
-
+def measure(args: argparse.Namespace, src: str | None) -> tuple[list[float], bool]:
+    """One 1A1F run of ``args.iters`` exchanges with ``afd_patches`` from ``src`` (None: this checkout)."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     out = ctx.Queue()
-    ffn = ctx.Process(target=_ffn, args=(port, args.inline_bytes), daemon=True)
+    ffn = ctx.Process(target=_ffn, args=(port, args.inline_bytes, src), daemon=True)
     attn = ctx.Process(
-        target=_attention, args=(port, args.inline_bytes, args.iters, args.warmup, args.tokens, args.hidden, out)
+        target=_attention,
+        args=(port, args.inline_bytes, args.iters, args.warmup, args.tokens, args.hidden, out, src),
     )
     ffn.start()
     attn.start()
@@ -100,14 +108,67 @@ def main() -> None:
     for p in (attn, ffn):
         if p.is_alive():
             p.kill()
-    us = sorted(s * 1e6 for s in samples)
+    return sorted(s * 1e6 for s in samples), ok
+
+
+def _summary(us: list[float]) -> str:
     p99 = us[min(len(us) - 1, round(0.99 * (len(us) - 1)))]
-    print(
-        f"torch_dist/gloo 1A1F loopback, {args.tokens}x{args.hidden} float32, inline_bytes={args.inline_bytes}, "
-        f"{len(us)} exchanges "
-        f"(send_attn_output+recv_ffn_output, FFN echo): median {statistics.median(us):.1f} us, "
-        f"p99 {p99:.1f} us, min {us[0]:.1f} us, max {us[-1]:.1f} us, echo exact: {ok}"
+    return f"median {statistics.median(us):.1f} us, p99 {p99:.1f} us, min {us[0]:.1f} us, max {us[-1]:.1f} us"
+
+
+def bookkeeping_us(reps: int = 200_000) -> float:
+    """In-process cost (microseconds) of what this checkout adds to one attention-side exchange:
+    the header check before the receive, the metrics updates and the two clock reads."""
+    import timeit
+
+    from afd_patches.config import AfdConfig
+    from afd_patches.connectors.metrics import METRICS
+    from afd_patches.connectors.torch_dist import KIND_DATA, Header, TorchDistConnector
+
+    identity = {"hidden_size": 64, "dtype": "float32", "max_num_batched_tokens": 256}
+    conn = TorchDistConnector(AfdConfig(role="attention", connector_extra_config={"backend": "gloo"}), identity)
+    header = Header(KIND_DATA, 0, 0, (8, 64), "float32", True)
+
+    def one() -> None:
+        t0 = time.perf_counter()
+        conn._check_header(header, 0, "x")
+        METRICS.add("bytes_sent", 2048)
+        METRICS.add("exchanges")
+        METRICS.add("bytes_received", 2048)
+        METRICS.observe(time.perf_counter() - t0)
+
+    return min(timeit.repeat(one, number=reps, repeat=3)) / reps * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument(
+        "--inline-bytes", type=int, default=64 * 1024, help="payloads up to this size ride in the header message"
     )
+    parser.add_argument("--baseline", metavar="DIR", help="a checkout whose afd_patches to compare against")
+    parser.add_argument("--rounds", type=int, default=3, help="baseline/current pairs with --baseline")
+    args = parser.parse_args()
+    what = (f"torch_dist/gloo 1A1F loopback, {args.tokens}x{args.hidden} float32, inline_bytes={args.inline_bytes}, "
+            f"{args.iters} exchanges (send_attn_output+recv_ffn_output, FFN echo)")
+    print(f"bookkeeping added per exchange (header check, metrics, clock reads): {bookkeeping_us():.2f} us",
+          flush=True)
+    if not args.baseline:
+        us, ok = measure(args, None)
+        print(f"{what}: {_summary(us)}, echo exact: {ok}")
+        return
+    medians: dict[str, list[float]] = {"baseline": [], "current": []}
+    for r in range(args.rounds):
+        for name, src in (("baseline", args.baseline), ("current", None)):
+            us, ok = measure(args, src)
+            medians[name].append(statistics.median(us))
+            print(f"round {r + 1} {name}: {_summary(us)}, echo exact: {ok}", flush=True)
+    base, cur = statistics.median(medians["baseline"]), statistics.median(medians["current"])
+    print(f"{what}: median of round medians: baseline {base:.1f} us, current {cur:.1f} us "
+          f"({(cur - base) / base * 100:+.1f} %)")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Two wrappers, both declared in the manifest:
 - ``add_afd_cli_args`` wraps ``EngineArgs.add_cli_args`` (a staticmethod) and adds an
   ``AFD`` argument group: ``--afd-role``, ``--afd-connector``, ``--afd-host``,
   ``--afd-port``, ``--afd-num-attention-ranks``, ``--afd-num-ffn-ranks``,
-  ``--afd-rank``, ``--afd-timeout-s``. A flag not given leaves no attribute on the namespace
+  ``--afd-rank``, ``--afd-timeout-s``, ``--afd-token-file`` (a path; the secret itself is
+  never a command-line value, so it does not show in ``ps``). A flag not given leaves no attribute on the namespace
   (``argparse.SUPPRESS``), so ``--help`` shows AFD's own defaults, not ``None``.
 - ``afd_from_cli_args`` wraps ``EngineArgs.from_cli_args`` (a classmethod) and maps the
   given flags into ``additional_config["afd"]``.
@@ -106,6 +107,9 @@ def flags() -> tuple[Flag, ...]:
         Flag("--afd-timeout-s", "timeout_s", float,
              f"Seconds a receive waits for the peer before failing (default: {defaults.timeout_s:g}).",
              metavar="SECONDS"),
+        Flag("--afd-token-file", "token_file", str,
+             "File holding the group's shared secret (mode 0600); or set AFD_TOKEN. Required unless "
+             "--afd-host is loopback. The secret itself is never a flag.", metavar="PATH"),
     )
 
 
@@ -200,5 +204,18 @@ def add_afd_cli_args(original: Callable[..., Any], parser: Any, *args: Any, **kw
 
 def afd_from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Namespace,
                       *rest: Any, **kwargs: Any) -> Any:
-    """Wrapper of ``EngineArgs.from_cli_args``: fold the ``--afd-*`` flags into additional_config first."""
-    return original(cls, apply_flags(args), *rest, **kwargs)
+    """Wrapper of ``EngineArgs.from_cli_args``: fold the ``--afd-*`` flags into additional_config first.
+
+    When AFD is on, this process (the API server's front end) also exports the engine's
+    ``vllm:afd_*`` metrics on its ``/metrics`` (``afd_patches.connectors.metrics``).
+    """
+    args = apply_flags(args)
+    try:
+        afd_on = CONFIG_KEY in _as_dict(getattr(args, "additional_config", None))
+    except (AfdCliError, ValueError):
+        afd_on = False  # vLLM reports a malformed --additional-config itself
+    if afd_on:
+        from afd_patches.connectors.metrics import export_from_front_end
+
+        export_from_front_end()
+    return original(cls, args, *rest, **kwargs)

@@ -46,6 +46,10 @@ class ConnectorMismatch(ConnectorError):
     """The two sides were configured differently; the message names each field and both values."""
 
 
+class ConnectorAuthError(ConnectorError):
+    """The rendezvous' shared secret differs between the two sides (nothing else was revealed)."""
+
+
 @dataclass(frozen=True)
 class Meta:
     layer: int

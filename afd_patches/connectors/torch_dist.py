@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import inspect
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -86,8 +87,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from afd_patches import topology
-from afd_patches.connectors import handshake
+from afd_patches.connectors import auth, handshake
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout, Meta
+from afd_patches.connectors.metrics import METRICS
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -105,6 +107,7 @@ TAG_HEADER = 1
 TAG_PAYLOAD = 2
 CLOSE_WAIT_S = 2.0  # how long close() waits for each peer to take its CLOSE header
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # see "Timeouts and failures": idle is not a failure
+MAX_MESSAGE_BYTES = 1 << 30  # bound on one received tensor when the model's identity gives no tighter one
 EXTRA_KEYS = ("backend", "device", "idle_timeout_s", "inline_bytes")
 
 # Stable wire codes; a dtype missing from this torch build is simply not offered.
@@ -125,6 +128,7 @@ DTYPE_CODES: dict[str, int] = {
     "float8_e5m2fnuz": 14,
 }
 _CODE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+_ITEMSIZE = {name: getattr(torch, name).itemsize for name in DTYPE_CODES if hasattr(torch, name)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -225,6 +229,14 @@ class TorchDistConnector(Connector):
         self._closed_peers: set[int] = set()
         self._broken: str | None = None
         self._out_device: torch.device = self.device
+        self._cancel = threading.Event()
+        self._sent_at = self._received_at = 0.0  # exchange latency: attention send, FFN inputs complete
+        self._want_dtype = self.identity.get("dtype")
+        try:
+            self._token = auth.load_token(config.token_file)
+            auth.check_policy(config.host, self._token, config.allow_unauthenticated)
+        except auth.TokenError as e:
+            raise ConnectorError(f"AFD rendezvous at {self.address}: {e}") from None
 
     # ---------------------------------------------------------------- naming
     @property
@@ -239,20 +251,24 @@ class TorchDistConnector(Connector):
         return f"{self.role} rank {self.config.rank} (global rank {self.global_rank})"
 
     # ----------------------------------------------------------- lifecycle
-    def init(self) -> None:
-        """Handshake, then form the group; fail within about ``timeout_s`` naming host and port.
+    def init(self, wait_s: float | None = None) -> None:
+        """Handshake, then form the group; fail within about ``wait_s`` (default ``timeout_s``) naming host and port.
 
+        ``ConnectorAuthError`` when the other side holds another token,
         ``ConnectorMismatch`` when the peers' settings differ (see "Handshake"),
         ``ConnectorTimeout`` when a peer did not show up in time, else
-        ``ConnectorError``.
+        ``ConnectorError`` (also when ``close()`` cancelled the wait).
         """
         if self._pg is not None:
             return
-        deadline = time.monotonic() + self.timeout_s
+        wait_s = self.timeout_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
         if self.global_rank == 0:
-            self._host_handshake(deadline)
+            self._host_handshake(deadline, wait_s)
         else:
-            handshake.join(self.config.host, self.config.port, self._hello(), deadline, self.timeout_s)
+            handshake.join(self.config.host, self.config.port, self._hello(), deadline, wait_s, self._token,
+                           self._cancel.is_set)
+            METRICS.add("handshakes_accepted")
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         remaining = max(deadline - time.monotonic(), 1.0)
@@ -289,13 +305,14 @@ class TorchDistConnector(Connector):
         fields.update(handshake.model_fields(self.identity))
         return handshake.Hello(self.role, self.config.rank, fields)
 
-    def _host_handshake(self, deadline: float) -> None:
+    def _host_handshake(self, deadline: float, wait_s: float) -> None:
         """FFN rank 0: collect every rank's hello, start the group's store on the same socket, say ok."""
         a, f = self.config.num_attention_ranks, self.config.num_ffn_ranks
         expected = {topology.role_of_global(g, a, f) for g in range(1, self.world_size)}
         listener = handshake.listen(self.config.host, self.config.port)
         try:
-            joiners = handshake.collect(listener, self._hello(), expected, deadline, self.address, self.timeout_s)
+            joiners = handshake.collect(listener, self._hello(), expected, deadline, self.address, wait_s,
+                                        self._token, self._cancel.is_set)
         except BaseException:
             listener.close()
             raise
@@ -315,9 +332,12 @@ class TorchDistConnector(Connector):
             handshake.refuse(joiners, "error", message)
             raise ConnectorError(message) from e
         handshake.accept_all(joiners)
+        METRICS.add("handshakes_accepted", len(joiners))
 
     def close(self) -> None:
-        """Tell every still-open peer ``CLOSE`` (bounded wait), then shut the group down. Idempotent."""
+        """Cancel a handshake in progress; tell every still-open peer ``CLOSE`` (bounded wait), then shut
+        the group down. Idempotent."""
+        self._cancel.set()
         pg, self._pg = self._pg, None
         if pg is None:
             return
@@ -415,6 +435,9 @@ class TorchDistConnector(Connector):
             if nbytes:
                 self._post_send(tensor, peer, TAG_PAYLOAD, f"payload of {what}")
         self.messages_sent += 1
+        METRICS.add("bytes_sent", nbytes)
+        if layer == 0 and nbytes == 0:
+            METRICS.add("idle_steps")
 
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to(self.device).contiguous()
@@ -423,11 +446,60 @@ class TorchDistConnector(Connector):
         message = torch.empty(HEADER_BYTES + self.inline_bytes, dtype=torch.uint8, device=self.device)
         return message, self._post_recv(message, peer, TAG_HEADER, what)
 
+    def _check_header(self, header: Header, peer: int, what: str) -> int:
+        """Bytes of the payload ``header`` announces, after checking it against what this side expects.
+
+        The model's identity (when the creator gave one) fixes the dtype, a 2-D
+        ``(tokens, hidden_size)`` shape and at most ``max_num_batched_tokens``
+        rows; every payload is at most ``MAX_MESSAGE_BYTES`` and an inline one
+        fits in the received message. ``ConnectorError`` (connector broken)
+        otherwise, before anything is allocated.
+        """
+        ident = self.identity
+        shape = header.shape
+        nbytes = _ITEMSIZE.get(header.dtype, 0)
+        if not nbytes:
+            self._broken = f"bad header from {self._describe(peer)}"
+            raise ConnectorError(f"AFD {self._me()}: {self._describe(peer)} announced dtype {header.dtype}, "
+                                 "which this torch build lacks")
+        for dim in shape:
+            nbytes *= max(dim, 0)
+        if shape == self._usual_shape(shape) and header.dtype == self._want_dtype and (
+                not header.inline or nbytes <= self.inline_bytes):
+            return nbytes  # the common case, checked in a few comparisons
+        problems = []
+        if any(dim < 0 for dim in shape):
+            problems.append("a negative dimension")
+        if ident.get("dtype") and header.dtype != ident["dtype"]:
+            problems.append(f"dtype {header.dtype}, expected {ident['dtype']}")
+        if ident.get("hidden_size") and (len(shape) != 2 or shape[1] != ident["hidden_size"]):
+            problems.append(f"not (tokens, {ident['hidden_size']})")
+        limit = ident.get("max_num_batched_tokens")
+        if limit and shape and shape[0] > limit:
+            problems.append(f"{shape[0]} tokens, more than max_num_batched_tokens={limit}")
+        if nbytes > MAX_MESSAGE_BYTES:
+            problems.append(f"{nbytes} bytes, more than {MAX_MESSAGE_BYTES}")
+        if header.inline and nbytes > self.inline_bytes:
+            problems.append(f"{nbytes} inline bytes, more than inline_bytes={self.inline_bytes}")
+        if problems:
+            self._broken = f"bad header from {self._describe(peer)}"
+            raise ConnectorError(f"AFD {self._me()}: {self._describe(peer)} announced {header.dtype}{list(shape)} "
+                                 f"for {what}: {'; '.join(problems)}; nothing was allocated")
+        return nbytes
+
+    def _usual_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """``shape`` itself when it is ``(rows, hidden_size)`` with ``0 <= rows <= max_num_batched_tokens``
+        and the identity gives both, else ``None`` (then ``_check_header`` looks closer)."""
+        hidden, limit = self.identity.get("hidden_size"), self.identity.get("max_num_batched_tokens")
+        if hidden and limit and len(shape) == 2 and shape[1] == hidden and 0 <= shape[0] <= limit:
+            return shape
+        return None
+
     def _recv_payload(self, message: torch.Tensor, header: Header, peer: int, what: str) -> tuple[torch.Tensor, Any]:
         """The payload described by ``header``: a view into ``message`` when inline, else a posted receive."""
+        nbytes = self._check_header(header, peer, what)
         dtype = getattr(torch, header.dtype)
         if header.inline:
-            nbytes = dtype.itemsize * int(torch.Size(header.shape).numel())
             return message[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype).view(header.shape), None
         out = torch.empty(header.shape, dtype=dtype, device=self.device)
         work = self._post_recv(out, peer, TAG_PAYLOAD, f"payload of {what}") if out.numel() else None
@@ -438,6 +510,7 @@ class TorchDistConnector(Connector):
         """Send this rank's MLP input of ``layer`` at ``step`` (``(0, hidden)`` when idle) to its FFN rank."""
         self._check(topology.ATTENTION)
         self._drain_sends()
+        self._sent_at = time.perf_counter()
         self._out_device = hidden.device
         self._send_tensor(self._wire(hidden), self.peers[0], layer, step)
 
@@ -464,6 +537,9 @@ class TorchDistConnector(Connector):
         if work is not None:
             self._wait(work, peer, f"payload of {what}", self.timeout_s)
         self.messages_received += 1
+        METRICS.add("exchanges")
+        METRICS.add("bytes_received", out.numel() * out.element_size())
+        METRICS.observe(time.perf_counter() - self._sent_at)
         return out.to(self._out_device)
 
     # ------------------------------------------------------------ FFN side
@@ -517,6 +593,8 @@ class TorchDistConnector(Connector):
             if work is not None:
                 self._wait(work, peer, f"payload of {what}", self.timeout_s)
         self.messages_received += len(received)
+        METRICS.add("bytes_received", sum(t.numel() * t.element_size() for t, _ in received.values()))
+        self._received_at = time.perf_counter()
         template = received[decoded[0][0]][0]
         tensors = [received[p][0] if p in received else template.new_empty((0, *template.shape[1:]))
                    for p in self.peers]
@@ -532,3 +610,5 @@ class TorchDistConnector(Connector):
         for tensor, peer in zip(outputs, self.peers, strict=True):
             if peer not in self._closed_peers:
                 self._send_tensor(self._wire(tensor), peer, meta.layer, meta.step)
+        METRICS.add("exchanges")
+        METRICS.observe(time.perf_counter() - self._received_at)

@@ -10,18 +10,23 @@ engine starts as for an attention-free model and allocates no cache), prefix
 caching off, no warm-up forwards, never runs ``execute_model``. After the model
 is loaded a daemon thread connects and serves: receive one layer's hidden
 states from every attention rank it serves, run that layer's FFN once on all of
-them, send each rank its slice. It stops on ``ConnectorClosed`` (the attention
-side shut down) or ``shutdown()``, and on any other connector error (a lost
-peer, a peer silent past a timeout, a handshake mismatch): that one is logged
-as a single ``AFD FFN serve loop stopped: …`` line naming the peer and is
-re-raised by ``afd_wait()``, so an FFN process blocked there ends. An idle but
-connected attention engine ends nothing. The connector is unusable after such
-an error; the engine does not reconnect.
+them, send each rank its slice. When every attention rank it serves has closed
+cleanly (``ConnectorClosed``), it builds a new connector and waits on the same
+``host:port`` for a new group (as long as ``idle_timeout_s``, default a week;
+a new group whose handshake fails is logged and waited for again), so attention
+engines can be restarted without the FFN engine. It stops on ``shutdown()``
+(which cancels a handshake in progress) and on any other connector error in a
+group, or a first handshake that does not complete within ``timeout_s``: that
+one is logged as a single ``AFD FFN serve loop stopped: …`` line naming the
+peer and is re-raised by ``afd_wait()``; an FFN engine behind the API server
+then stops (see ``FfnRoleMixin._afd_stop_engine``), so a failed loop never
+looks healthy. An idle but connected attention engine ends nothing.
 
 Both expose, through ``collective_rpc``: ``afd_stats()`` (role, steps,
-messages, KV cache bytes, parameter names of FFN/attention kind) and, on the FFN
-role, ``afd_wait(timeout_s)`` which blocks until the serve loop ends and
-re-raises its error.
+messages over every group served, KV cache bytes, parameter names of
+FFN/attention kind) and, on the FFN role, ``afd_wait(timeout_s)`` which blocks
+until a group ended or the serve loop stopped, and re-raises its error. Both
+start the ``vllm:afd_*`` metrics writer (``afd_patches.connectors.metrics``).
 
 Lockstep (rA:1F): an idle vLLM engine does not step, yet the FFN rank waits
 for every attention rank it serves before its one batched call. So when an
@@ -34,10 +39,9 @@ busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
 Limits: one connector per worker (no TP/PP inside a role); the FFN loop serves
 one layer message at a time (no micro-batch overlap); idle ticks cost empty
 exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
-attention rank that shuts down counts as idle from then on; the FFN rank's loop
-ends when every rank it serves has shut down. A loop that stops with an error
-while nobody waits in ``afd_wait()`` (an FFN engine behind vLLM's API server)
-stops its process: see ``FfnRoleMixin._afd_stop_engine``.
+attention rank that shuts down counts as idle from then on; a group's
+membership is fixed, so with several attention ranks per FFN rank a new group
+forms only after all of them have shut down.
 """
 
 from __future__ import annotations
@@ -53,21 +57,24 @@ from typing import Any
 import torch
 
 from afd_patches.config import AfdConfig
-from afd_patches.connectors import REGISTRY
+from afd_patches.connectors import REGISTRY, metrics
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout
 from afd_patches.models.common import afd_config_of
 
 logger = logging.getLogger("afd")
 
 IDLE_TICK_S = 0.02
+REFORM_WAIT_S = 7 * 24 * 3600.0  # a new group after the first may take as long as a deploy takes
 
 
 def model_identity(vllm_config: Any) -> dict[str, Any]:
-    """What both roles must agree on about the model: architecture, layer count, hidden size, dtype.
+    """What both roles must agree on: architecture, layer count, hidden size, dtype, max batched tokens.
 
-    Read from vLLM's model config (after ``hf_overrides``), so it costs nothing
-    and is the same on both roles for the same checkpoint and settings. A value
-    vLLM does not expose is ``None`` and is then not compared.
+    Read from vLLM's model and scheduler config (after ``hf_overrides``), so it
+    costs nothing and is the same on both roles for the same checkpoint and
+    settings. A value vLLM does not expose is ``None`` and is then not
+    compared. The connector also bounds every received tensor header by
+    ``hidden_size``, ``dtype`` and ``max_num_batched_tokens`` before it allocates.
     """
     mc = vllm_config.model_config
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
@@ -77,6 +84,8 @@ def model_identity(vllm_config: Any) -> dict[str, Any]:
         "num_hidden_layers": getattr(hf, "num_hidden_layers", None),
         "hidden_size": getattr(hf, "hidden_size", None),
         "dtype": str(getattr(mc, "dtype", "")).removeprefix("torch.") or None,
+        "max_num_batched_tokens": getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens",
+                                          None),
     }
 
 
@@ -143,6 +152,7 @@ class AttentionRoleMixin(_RoleBase):
                 f"AFD attention role needs an AFD<Arch> model, got {type(model).__name__}; "
                 "select it with hf_overrides={'architectures': ['AFD<Arch>']}")
         connector = build_connector(cfg, model_identity(self.vllm_config))
+        metrics.start_writer("attention", cfg.rank)
         t0 = time.monotonic()
         connector.init()
         logger.info("AFD attention rank %d connected in %.1fs", cfg.rank, time.monotonic() - t0)
@@ -211,6 +221,7 @@ class FfnRoleMixin(_RoleBase):
         self._afd_stop = threading.Event()
         self._afd_wait_lock = threading.Lock()
         self._afd_waiters = 0  # afd_wait() calls blocked on the serve loop; they report its error
+        self._afd_earlier = [0, 0]  # messages sent/received by the connectors of earlier groups
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
         return {}
@@ -227,46 +238,95 @@ class FfnRoleMixin(_RoleBase):
         model = self._afd_model()
         if not hasattr(model, "afd_ffn"):
             raise RuntimeError(f"AFD FFN role needs an AFD<Arch> model, got {type(model).__name__}")
-        self._afd_connector = build_connector(cfg, model_identity(self.vllm_config))
+        self._afd_cfg = cfg
+        self._afd_identity = model_identity(self.vllm_config)
+        self._afd_connector = build_connector(cfg, self._afd_identity)
+        self._afd_group_ended = threading.Event()
+        metrics.start_writer("ffn", cfg.rank)
         self._afd_thread = threading.Thread(target=self._afd_serve, name=f"afd-ffn-{cfg.rank}", daemon=True)
         self._afd_thread.start()
 
     def _afd_serve(self) -> None:
-        conn = self._afd_connector
-        assert conn is not None
+        """Serve one group after another until ``shutdown()`` or an error (see the module's "FFN role")."""
         model = self._afd_model()
+        groups = 0
         try:
-            conn.init()
             while not self._afd_stop.is_set():
-                try:
-                    meta, inputs = conn.recv_attn_output()
-                except ConnectorClosed:
+                conn = self._afd_connector if groups == 0 else self._afd_swap(build_connector(self._afd_cfg,
+                                                                                              self._afd_identity))
+                if self._afd_stop.is_set():  # shutdown() may have closed the previous connector
+                    conn.close()
                     break
-                except ConnectorTimeout:
-                    if self._afd_stop.is_set():
-                        break
-                    raise
-                sizes = [t.shape[0] for t in inputs]
-                with torch.inference_mode():
-                    batch = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-                    out = model.afd_ffn(meta.layer, batch)
-                    outputs = [out] if len(inputs) == 1 else list(torch.split(out, sizes))
-                conn.send_ffn_output(outputs, meta)
-                self._afd_batches += 1
-        except ConnectorClosed:
-            pass
+                try:
+                    if not self._afd_form(conn, groups):
+                        continue
+                    groups += 1
+                    self._afd_serve_group(conn, model)
+                finally:
+                    conn.close()
+                logger.info("AFD FFN rank %d: every attention rank closed; waiting for a new group at %s:%s",
+                            self._afd_cfg.rank, self._afd_cfg.host, self._afd_cfg.port)
+                self._afd_group_ended.set()
         except ConnectorError as e:  # a lost or silent peer, a mismatch: the message says which; no traceback
-            logger.error("AFD FFN serve loop stopped: %s", e)
-            self._afd_error = e
+            if not self._afd_stop.is_set():
+                logger.error("AFD FFN serve loop stopped: %s", e)
+                self._afd_error = e
         except BaseException as e:  # surfaced by afd_wait()
             logger.exception("AFD FFN serve loop failed")
             self._afd_error = e
         finally:
-            try:
-                conn.close()
-            except Exception:  # closing after a failure must not hide it
-                logger.debug("AFD FFN connector close failed", exc_info=True)
+            self._afd_group_ended.set()
             self._afd_stop_engine()
+
+    def _afd_swap(self, new: Connector) -> Connector:
+        """Make ``new`` the current connector; the old one's message counts stay in ``afd_stats()``."""
+        with self._afd_wait_lock:
+            old, self._afd_connector = self._afd_connector, new
+            if old is not None:
+                self._afd_earlier[0] += old.messages_sent
+                self._afd_earlier[1] += old.messages_received
+        return new
+
+    def _afd_form(self, conn: Connector, groups: int) -> bool:
+        """Form the first group within ``timeout_s`` (errors end the loop); later ones as long as it takes.
+
+        A later group whose handshake fails (a misconfigured new attention
+        engine) is logged and the FFN rank waits for the next one: False.
+        """
+        if groups == 0:
+            conn.init()
+            return True
+        try:
+            conn.init(self._afd_cfg.connector_extra_config.get("idle_timeout_s", REFORM_WAIT_S))
+        except ConnectorError as e:
+            if self._afd_stop.is_set():
+                raise
+            logger.error("AFD FFN rank %d: a new group did not form (%s); still waiting for one",
+                         self._afd_cfg.rank, e)
+            return False
+        metrics.METRICS.add("group_reformations")
+        logger.info("AFD FFN rank %d: a new group formed at %s:%s", self._afd_cfg.rank, self._afd_cfg.host,
+                    self._afd_cfg.port)
+        return True
+
+    def _afd_serve_group(self, conn: Connector, model: Any) -> None:
+        """Receive → FFN → send until every served attention rank closed cleanly (return) or an error."""
+        while not self._afd_stop.is_set():
+            try:
+                meta, inputs = conn.recv_attn_output()
+            except ConnectorClosed:
+                return
+            except ConnectorTimeout:
+                if self._afd_stop.is_set():
+                    return
+                raise
+            sizes = [t.shape[0] for t in inputs]
+            with torch.inference_mode():
+                batch = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+                out = model.afd_ffn(meta.layer, batch)
+                outputs = [out] if len(inputs) == 1 else list(torch.split(out, sizes))
+            conn.send_ffn_output(outputs, meta)
+            self._afd_batches += 1
 
     def _afd_stop_engine(self) -> None:
         """After the serve loop ended with an error, stop this engine unless ``afd_wait()`` will report it.
@@ -301,23 +361,28 @@ class FfnRoleMixin(_RoleBase):
         os.kill(os.getpid(), signal.SIGTERM)
 
     def afd_wait(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """Block until the serve loop ends (attention side closed); return stats, re-raise its error."""
+        """Block until a group ended (every attention rank closed; the loop then waits for the next group)
+        or the serve loop stopped; return stats, re-raise the loop's error."""
         if self._afd_thread is not None:
             with self._afd_wait_lock:
                 self._afd_waiters += 1
             try:
-                self._afd_thread.join(timeout_s)
+                ended = self._afd_group_ended.wait(timeout_s)
             finally:
                 with self._afd_wait_lock:
                     self._afd_waiters -= 1
-            if self._afd_thread.is_alive():
-                raise TimeoutError(f"AFD FFN loop still running after {timeout_s}s")
+            if not ended:
+                raise TimeoutError(f"AFD FFN group still being served after {timeout_s}s")
         if self._afd_error is not None:
             raise RuntimeError(f"AFD FFN serve loop failed: {self._afd_error!r}") from self._afd_error
         return self.afd_stats()
 
     def afd_stats(self) -> dict[str, Any]:
-        stats = self._afd_common_stats("ffn")
+        """Counters over every group served so far."""
+        with self._afd_wait_lock:
+            stats = self._afd_common_stats("ffn")
+            stats["messages_sent"] += self._afd_earlier[0]
+            stats["messages_received"] += self._afd_earlier[1]
         stats["ffn_batches"] = self._afd_batches
         return stats
 

@@ -34,9 +34,7 @@ from typing import Any
 
 import pytest
 from afd_engine import free_port, group_members, tail  # scripts/ is on sys.path (tests/integration/conftest.py)
-from tiny_model import build
-from tiny_tokenizer import build_tokenizer
-from vllm_run import REPO, run_generate, vllm_env
+from vllm_run import REPO, vllm_env
 
 pytestmark = pytest.mark.vllm
 
@@ -53,9 +51,9 @@ AFD_FLAGS = ("--afd-role", "--afd-connector", "--afd-host", "--afd-port", "--afd
 SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
-def _env() -> dict[str, str]:
+def _env(**extra: str) -> dict[str, str]:
     # dev mode adds POST /collective_rpc (loopback only here), used to read the AFD workers' counters
-    return vllm_env(PYTHONUNBUFFERED="1", VLLM_SERVER_DEV_MODE="1")
+    return vllm_env(PYTHONUNBUFFERED="1", VLLM_SERVER_DEV_MODE="1", **extra)
 
 
 def test_api_server_help_lists_afd_flags() -> None:
@@ -118,9 +116,9 @@ def _servers() -> Iterator[list[subprocess.Popen[bytes]]]:
             _stop(proc)
 
 
-def _start(procs: list[subprocess.Popen[bytes]], args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _start(procs: list[subprocess.Popen[bytes]], args: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
     with log.open("wb") as fh:
-        proc = subprocess.Popen(args, env=_env(), stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
+        proc = subprocess.Popen(args, env=_env(**env), stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
                                 start_new_session=True)
     procs.append(proc)
     return proc
@@ -150,18 +148,9 @@ def _token_id(text: str) -> int:
     return int(text.split(":", 1)[1])
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = build(tmp_path_factory.mktemp("afd-server") / "tiny-llama", "llama")
-    return build_tokenizer(path, vocab_size=512)
-
-
-def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, tmp_path: Path) -> None:
-    t0 = time.monotonic()
-    plain = run_generate(model_dir, "--prompts", " ".join(map(str, PROMPT)), "--max-tokens", str(MAX_TOKENS),
-                         timeout=START_TIMEOUT_S)
-    assert plain.returncode == 0 and plain.result, plain.output[-3000:]
-    plain_s = time.monotonic() - t0
+def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, plain_generation: Any,
+                                                          tmp_path: Path) -> None:
+    plain = plain_generation
     plain_tokens = plain.result["tokens"][0]
     plain_logprobs = plain.result["logprobs"][0]
 
@@ -198,7 +187,7 @@ def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, tmp_p
     assert attn_stats["kv_cache_bytes"] > 0 and attn_stats["messages_sent"] > 0
     assert ffn_stats["role"] == "ffn" and ffn_stats["kv_cache_bytes"] == 0 and ffn_stats["attn_param_names"] == []
     assert ffn_stats["messages_received"] == attn_stats["messages_sent"] == attn_stats["messages_received"]
-    print(f"AFD server: tokens {tokens} equal plain vLLM; max |dlogprob| {worst:.1e}; plain offline {plain_s:.1f}s, "
+    print(f"AFD server: tokens {tokens} equal plain vLLM; max |dlogprob| {worst:.1e}; "
           f"FFN server healthy in {ffn_s:.1f}s, attention server in {attn_s:.1f}s, request {request_s:.2f}s; "
           f"{attn_stats['messages_sent']} layer messages exchanged")
 

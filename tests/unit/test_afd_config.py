@@ -11,7 +11,8 @@ from afd_patches.compat.engine_config import role_of
 from afd_patches.config import AfdConfig, AfdConfigError, from_additional_config, parse
 
 
-def test_aliases_are_normalized_and_defaults_filled():
+def test_aliases_are_normalized_and_defaults_filled(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("AFD_TOKEN", "x" * 32)  # 10.0.0.1 is not loopback: a token is required
     cfg = parse({"afd_role": "attention", "afd_host": "10.0.0.1", "afd_port": 4000, "num_attention_ranks": 2,
                  "rank": 1})
     assert cfg == AfdConfig(role="attention", host="10.0.0.1", port=4000, num_attention_ranks=2, rank=1)
@@ -99,3 +100,86 @@ def test_the_modules_every_process_imports_leave_the_config_machinery_unloaded()
     unloaded, built = out.stdout.splitlines()
     assert unloaded == "False False"
     assert built.endswith("(default: torch_dist). True"), built
+
+
+# ------------------------------------------------------------------ rendezvous token
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def no_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AFD_TOKEN", raising=False)
+
+
+@pytest.mark.parametrize("host", ["10.0.0.1", "0.0.0.0", "::", "192.168.1.5"])
+def test_non_loopback_host_without_token_fails_naming_how_to_set_one(host: str, no_token: None) -> None:
+    with pytest.raises(AfdConfigError) as e:
+        parse({"role": "ffn", "host": host})
+    text = str(e.value)
+    assert text.startswith('additional_config["afd"]["host"]') and "AFD_TOKEN" in text and "token_file" in text
+    assert "allow_unauthenticated" in text
+    assert parse({"role": "ffn", "host": host, "allow_unauthenticated": True}).allow_unauthenticated
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_loopback_host_needs_no_token(host: str, no_token: None) -> None:
+    assert parse({"role": "ffn", "host": host}).host == host
+
+
+def test_token_from_env_or_private_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from afd_patches.connectors.auth import load_token
+
+    monkeypatch.setenv("AFD_TOKEN", TOKEN + "\n")
+    assert load_token(None) == TOKEN.encode()
+    assert parse({"role": "ffn", "host": "10.0.0.1"}).token_file is None
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    path.chmod(0o600)
+    with pytest.raises(AfdConfigError, match="both AFD_TOKEN and token_file"):
+        parse({"role": "ffn", "host": "10.0.0.1", "token_file": str(path)})
+    monkeypatch.delenv("AFD_TOKEN")
+    assert load_token(str(path)) == TOKEN.encode()
+    assert parse({"role": "ffn", "host": "10.0.0.1", "token_file": str(path)}).token_file == str(path)
+
+
+def _refused(path: str, fragment: str) -> None:
+    with pytest.raises(AfdConfigError) as e:
+        parse({"role": "ffn", "host": "10.0.0.1", "token_file": path})
+    assert str(e.value).startswith('additional_config["afd"]["token_file"]') and fragment in str(e.value), e.value
+
+
+def test_token_file_refusals(tmp_path, no_token: None) -> None:
+    import os
+
+    good = tmp_path / "good"
+    good.write_text(TOKEN)
+    good.chmod(0o600)
+    loose = tmp_path / "loose"
+    loose.write_text(TOKEN)
+    loose.chmod(0o644)
+    _refused(str(loose), "chmod 600")
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    _refused(str(link), "symbolic link")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    _refused(str(fifo), "not a regular file")  # and it did not block waiting for a writer
+    short = tmp_path / "short"
+    short.write_text("abc")
+    short.chmod(0o600)
+    _refused(str(short), "fewer than 16")
+    _refused(str(tmp_path / "missing"), "cannot open")
+    big = tmp_path / "big"
+    big.write_text("x" * 5000)
+    big.chmod(0o600)
+    _refused(str(big), "more than 4096")
+
+
+def test_to_dict_parses_again(tmp_path, no_token: None) -> None:
+    """The front end stores the normalized config and parses it again in later processes."""
+    assert parse(parse({"role": "ffn"}).to_dict()) == parse({"role": "ffn"})
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    path.chmod(0o600)
+    cfg = parse({"role": "ffn", "host": "10.0.0.1", "token_file": str(path)})
+    assert parse(cfg.to_dict()) == cfg

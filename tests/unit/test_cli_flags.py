@@ -54,7 +54,14 @@ def _engine_args(argv: list[str]) -> tuple[argparse.Namespace, FakeEngineArgs]:
 
 
 ALL_FLAGS = ["--afd-role", "--afd-connector", "--afd-host", "--afd-port", "--afd-num-attention-ranks",
-             "--afd-num-ffn-ranks", "--afd-rank", "--afd-timeout-s"]
+             "--afd-num-ffn-ranks", "--afd-rank", "--afd-timeout-s", "--afd-token-file"]
+
+
+@pytest.fixture(autouse=True)
+def _metrics_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AFD front end exports metrics through a directory named in the environment; give it one here,
+    so these tests neither create one nor register a collector in this process."""
+    monkeypatch.setenv("AFD_METRICS_DIR", str(tmp_path))
 
 
 def test_group_lists_every_flag_in_help() -> None:

@@ -1,0 +1,149 @@
+"""A stranger at the AFD rendezvous port: the scanner and the fuzzer that the tests point at an FFN rank.
+
+Shared by ``tests/unit/test_rendezvous.py`` (against a connector process) and
+``tests/integration/test_afd_rendezvous_server.py`` (against a real FFN server).
+Both only ever connect to loopback addresses the tests chose.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from afd_patches.connectors import auth, handshake
+
+IDLE_CONNECTIONS = 20
+SCAN_PROBES = 7  # connections of ``scan`` besides the idle ones
+# what the FFN rank logs for each probe of ``scan`` ("refused the connection from …: <reason>"), and how often
+SCAN_REASONS = {"line longer": 1, "not JSON": 2, "not JSON (RecursionError)": 1, "not an AFD protocol 2 hello": 1,
+                "wrong token": 1, "not part of the topology": 1, "ffn rank 0 is already taken": 1}
+SCAN_SILENT = ("no AFD hello in time", "before the handshake ended")  # the idle connections: one or the other
+
+
+def connect(host: str, port: int) -> socket.socket:
+    return socket.create_connection((host, port), timeout=5)
+
+
+def wait_listening(host: str, port: int, timeout_s: float, alive: Callable[[], str | None] = lambda: None) -> None:
+    """Return once ``host:port`` accepts a connection (that probe is refused and logged once by the FFN rank).
+
+    ``alive()`` returns ``None`` while the FFN process runs, else why it is gone (then this fails at once).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            if (gone := alive()) is not None:
+                raise AssertionError(f"the FFN process is gone before it listened at {host}:{port}: {gone}") from None
+            if time.monotonic() > deadline:
+                raise AssertionError(f"nothing listens at {host}:{port} after {timeout_s}s") from None
+            time.sleep(0.1)
+
+
+def read_line(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    sock.settimeout(timeout)
+    buf = b""
+    while b"\n" not in buf:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return buf
+        buf += chunk
+    return buf.split(b"\n", 1)[0]
+
+
+def authenticated(host: str, port: int, token: str, hello: dict[str, Any]) -> bytes:
+    """Run the protocol with ``token`` and send ``hello``; everything the host sent after the challenge."""
+    with connect(host, port) as s:
+        nj = auth.nonce()
+        s.sendall(json.dumps({"afd_hello": handshake.PROTOCOL, "nonce": nj.hex()}).encode() + b"\n")
+        nh = bytes.fromhex(json.loads(read_line(s))["nonce"])
+        proof = auth.proof(token.encode(), auth.JOIN_LABEL, nj, nh).hex()
+        s.sendall(json.dumps({"proof": proof, **hello}).encode() + b"\n")
+        rest = b""
+        s.settimeout(5)
+        try:
+            while chunk := s.recv(4096):
+                rest += chunk
+        except OSError:
+            pass
+        return rest
+
+
+def scan(host: str, port: int, token: str) -> tuple[dict[str, bytes], list[socket.socket]]:
+    """Probe once each way listed in ``SCAN_REASONS``; what came back, and the idle connections left open.
+
+    ``token`` is the group's: the unknown-role and taken-rank hellos are an insider's mistakes.
+    """
+    idle = [connect(host, port) for _ in range(IDLE_CONNECTIONS)]
+    got: dict[str, bytes] = {}
+    for name, data in [("random bytes", b"\x00\xff" + secrets.token_bytes(3000) + b"\n"),
+                       ("60 KB line", b"[" * 60_000 + b"\n"), ("deep nesting", b"[" * 15_000 + b"\n"),
+                       ("empty-fields hello", b'{"afd_hello": 1, "role": "attention", "rank": 0, "fields": {}}\n')]:
+        with connect(host, port) as s:
+            try:
+                s.sendall(data)
+                got[name] = read_line(s)
+            except OSError:
+                got[name] = b""
+    got["wrong token"] = authenticated(host, port, "w" * 32, {"role": "attention", "rank": 0, "fields": {}})
+    got["unknown role"] = authenticated(host, port, token, {"role": "router", "rank": 0, "fields": {}})
+    got["duplicate rank"] = authenticated(host, port, token, {"role": "ffn", "rank": 0, "fields": {}})
+    return got, idle
+
+
+def check_scan(got: dict[str, bytes], log_lines: list[str]) -> None:
+    """Nothing but a challenge reached a prober without the token; each probe was logged exactly once."""
+    for name, answer in got.items():
+        if name not in ("unknown role", "duplicate rank"):  # those two held the token
+            assert b"num_attention_ranks" not in answer and b"inline_bytes" not in answer, (name, answer)
+    assert got["wrong token"].count(b"authentication failed") == 1, got["wrong token"]
+    assert b"not part of the topology" in got["unknown role"] and b"already taken" in got["duplicate rank"]
+    refused = [line for line in log_lines if "refused the connection from" in line]
+    for words, n in SCAN_REASONS.items():
+        assert sum(words in line for line in refused) == n, (words, refused[:40])
+    assert sum(any(w in line for w in SCAN_SILENT) for line in refused) == IDLE_CONNECTIONS, refused[:40]
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20)
+_lines = _json_values.map(lambda v: json.dumps(v).encode() + b"\n")
+_first = st.one_of(
+    st.binary(max_size=4096), _lines,
+    st.fixed_dictionaries({"afd_hello": st.sampled_from([2, 1, "2", None]),
+                           "nonce": st.one_of(st.text(max_size=70), st.just("ab" * 32))}).map(
+        lambda d: json.dumps(d).encode() + b"\n"))
+
+
+def fuzz(host: str, port: int, seconds: float, max_connections: int = 2000) -> int:
+    """Hypothesis-made first and second lines, one connection each, for at most ``seconds``; connections made."""
+    state = {"n": 0, "t0": time.monotonic()}
+
+    @settings(max_examples=max_connections, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(first=_first, second=st.one_of(st.binary(max_size=2048), _lines), wait_answer=st.booleans())
+    def one(first: bytes, second: bytes, wait_answer: bool) -> None:
+        if time.monotonic() - state["t0"] >= seconds:
+            return
+        state["n"] += 1
+        try:
+            with connect(host, port) as s:
+                s.sendall(first)
+                if wait_answer:
+                    read_line(s, 0.2)
+                    s.sendall(second)
+        except OSError:
+            pass
+
+    one()
+    return state["n"]

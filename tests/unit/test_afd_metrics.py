@@ -1,0 +1,64 @@
+"""``vllm:afd_*`` metrics: worker snapshots read by the front end's collector, and what it refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from afd_patches.connectors import metrics
+
+
+def _exposition(directory: Path) -> str:
+    registry = CollectorRegistry()
+    registry.register(metrics.SnapshotCollector(str(directory)))
+    return generate_latest(registry).decode()
+
+
+def test_snapshot_written_by_a_worker_shows_on_the_front_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = tmp_path / "m"
+    directory.mkdir(mode=0o700)
+    monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(directory))
+    monkeypatch.setattr(metrics, "METRICS", metrics.AfdMetrics())
+    m = metrics.METRICS
+    m.add("exchanges", 6)
+    m.add("bytes_sent", 1536)
+    m.observe(0.0003)
+    m.observe(0.002)
+    assert metrics.start_writer("attention", 0)
+    deadline = time.monotonic() + 5
+    while 'vllm:afd_exchanges_total{rank="0",role="attention"} 6.0' not in (text := _exposition(directory)):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.1)
+    assert 'vllm:afd_bytes_sent_total{rank="0",role="attention"} 1536.0' in text
+    assert 'vllm:afd_exchange_latency_seconds_bucket{le="0.0005",rank="0",role="attention"} 1.0' in text
+    assert 'vllm:afd_exchange_latency_seconds_count{rank="0",role="attention"} 2.0' in text
+    for name in metrics.COUNTERS:
+        assert f"vllm:afd_{name}_total" in text
+
+
+def test_collector_skips_foreign_or_malformed_snapshots(tmp_path: Path) -> None:
+    good = {"counts": {"exchanges": 3}, "buckets": [0] * (len(metrics.LATENCY_BUCKETS) + 1), "latency_sum": 0.0,
+            "role": "ffn", "rank": 0}
+    (tmp_path / "afd-ffn-0-1.json").write_text(json.dumps(good))
+    (tmp_path / "afd-bad-1-2.json").write_text("[" * 20000)
+    (tmp_path / "afd-neg-1-3.json").write_text(json.dumps({**good, "counts": {"exchanges": -1}, "role": "x"}))
+    (tmp_path / "afd-big-1-4.json").write_text(" " * (metrics.MAX_SNAPSHOT_BYTES + 1))
+    os.symlink(tmp_path / "afd-ffn-0-1.json", tmp_path / "afd-link-1-5.json")
+    text = _exposition(tmp_path)
+    lines = [line for line in text.splitlines() if line.startswith("vllm:afd_exchanges_total")]
+    assert lines == ['vllm:afd_exchanges_total{rank="0",role="ffn"} 3.0'], text
+
+
+def test_worker_exports_nothing_without_a_private_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(metrics.METRICS_DIR_ENV, raising=False)
+    assert not metrics.start_writer("ffn", 0)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(shared))
+    assert not metrics.start_writer("ffn", 0)
