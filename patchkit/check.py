@@ -166,7 +166,8 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
     counts: dict[str, int] = {}
     for r in results:
         counts[r.report.verdict] = counts.get(r.report.verdict, 0) + 1
-    doc["summary"] = {"entries": len(results), "requirements": len(loaded.requires), "verdicts": counts, "failing": [r.entry.id for r in results if r.fails],
+    doc["summary"] = {"entries": len(results), "requirements": len(loaded.requires),
+                      "verdicts": counts, "failing": [r.entry.id for r in results if r.fails],
                       "uncovered_sites": sum(len(r.report.uncovered) for r in results),
                       "modules": len(tree.modules), "parsed": tree.parsed_count,
                       "seconds": round(time.perf_counter() - started, 3)}
@@ -197,7 +198,8 @@ def _text(doc: dict[str, Any]) -> str:
     for e in doc["entries"]:
         flag = "FAIL" if e["fails"] else ("ok" if e["verdict"] == "ok" else "warn")
         out.append("")
-        subject = f"requires {e['target']} (pin {e['pin']})" if e["op"] == "require" else f"{e['id']}: {e['target']}"
+        subject = (f"requires {e['target']} (pin {e['pin']})" if e["op"] == "require"
+                   else f"{e['id']}: {e['target']}")
         out.append(f"[{flag}] {subject} -> {e['verdict']}")
         fp = e["fingerprint"]
         out.append(f"    fingerprint pinned {fp['pinned'] or '-'} found {fp['found'] or '-'}")
@@ -228,7 +230,8 @@ def _text(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
     out.append("")
-    out.append(f"{s['entries']} entries ({s['requirements']} requirements): {verdicts}; {s['uncovered_sites']} uncovered alias sites; "
+    out.append(f"{s['entries']} entries ({s['requirements']} requirements): {verdicts}; "
+               f"{s['uncovered_sites']} uncovered alias sites; "
                f"failing: {', '.join(s['failing']) or 'none'} (exit {doc['exit_code']})")
     out.append(f"parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s")
     return "\n".join(out) + "\n"
@@ -272,7 +275,8 @@ def _markdown(doc: dict[str, Any]) -> str:
     if doc["problems"]:
         out += ["", "Problems:", ""] + [f"- {_md(p)}" for p in doc["problems"]]
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
-    out += ["", f"**{s['entries']} entries** ({s['requirements']} requirements): {verdicts}; {s['uncovered_sites']} uncovered alias sites; failing: "
+    out += ["", f"**{s['entries']} entries** ({s['requirements']} requirements): "
+            f"{verdicts}; {s['uncovered_sites']} uncovered alias sites; failing: "
             f"{', '.join(f'`{f}`' for f in s['failing']) or 'none'} (exit {doc['exit_code']}). "
             f"Parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s."]
     return "\n".join(out) + "\n"

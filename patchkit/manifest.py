@@ -134,7 +134,8 @@ def _requirement_problems(doc: dict[str, Any], add: Any) -> None:
     seen: dict[str, int] = {}
     for i, r in enumerate(doc.get("requires", [])):
         if r["target"] in seen:
-            add(("requires", i, "target"), f"duplicate requirement {r['target']!r} (first at requires[{seen[r['target']]}])")
+            add(("requires", i, "target"),
+                f"duplicate requirement {r['target']!r} (first at requires[{seen[r['target']]}])")
         seen.setdefault(r["target"], i)
         if r["pin"] != "exists" and "fingerprint" not in r:
             add(("requires", i), f"pin {r['pin']!r} needs a 'fingerprint' (patchkit deps --tree SRC prints it)")
