@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from patchkit import fingerprint, rebind
 from patchkit.planning import Entry
-from patchkit.static.resolve import Definition, Override, Resolver
+from patchkit.static.resolve import Definition, Override, Resolution, Resolver
 from patchkit.static.sites import AliasSite, alias_sites
 
 _REBINDING_OPS = ("replace", "wrap", "workers")
@@ -60,6 +60,16 @@ def _decorator_names(node: ast.AST) -> set[str]:
     return names
 
 
+def _absent(resolver: Resolver, entry: Entry, resolution: Resolution) -> TargetReport:
+    """The report of a target not found where the entry says: ``moved`` (with candidates) or ``missing``."""
+    candidates = resolver.find_definitions(entry.qualname, exclude_module=entry.module)
+    report = TargetReport(entry.target, "moved" if candidates else "missing", entry.fingerprint, None, None,
+                          resolution.owner is not None, candidates)
+    if resolution.reason:
+        report.notes.append(resolution.reason)
+    return report
+
+
 def analyze_requirement(resolver: Resolver, entry: Entry) -> TargetReport:
     """The ``TargetReport`` of a requirement (op ``require``): its pin decides which fingerprint half counts.
 
@@ -69,12 +79,7 @@ def analyze_requirement(resolver: Resolver, entry: Entry) -> TargetReport:
     resolution = resolver.resolve_target(entry.target)
     definition = resolution.definition or resolution.inherited
     if definition is None:
-        candidates = resolver.find_definitions(entry.qualname, exclude_module=entry.module)
-        report = TargetReport(entry.target, "moved" if candidates else "missing", entry.fingerprint, None, None,
-                              resolution.owner is not None, candidates)
-        if resolution.reason:
-            report.notes.append(resolution.reason)
-        return report
+        return _absent(resolver, entry, resolution)
     found = fingerprint.of_node(definition.node)
     comparison = fingerprint.compare_pinned(entry.pin, entry.fingerprint, found)
     report = TargetReport(entry.target, "ok" if comparison == "match" else comparison.replace(":", ": "),
@@ -92,12 +97,7 @@ def analyze(resolver: Resolver, entry: Entry, packages: tuple[str, ...]) -> Targ
     resolution = resolver.resolve_target(entry.target)
     definition = resolution.definition
     if definition is None:
-        candidates = resolver.find_definitions(entry.qualname, exclude_module=entry.module)
-        report = TargetReport(entry.target, "moved" if candidates else "missing", entry.fingerprint, None, None,
-                              resolution.owner is not None, candidates)
-        if resolution.reason:
-            report.notes.append(resolution.reason)
-        return report
+        return _absent(resolver, entry, resolution)
 
     found = fingerprint.of_node(definition.node)
     if entry.fingerprint:
