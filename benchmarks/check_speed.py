@@ -2,7 +2,9 @@
 
 Times, in one process and one run:
 
-1. ``run_check(manifests/afd/vllm-0.32.yaml, "installed")`` — the shipped manifest;
+1. ``run_check(manifests/afd/vllm-0.32.yaml, "installed")`` — the shipped manifest
+   (its patches and its ``requires:``), and the same manifest without ``requires:``
+   (what the requirements add);
 2. ``run_check`` of a synthetic manifest with 12 plausible targets (methods with
    overriding subclasses, functions bound by from-import in many modules, a
    re-export, a dataclass field);
@@ -63,6 +65,16 @@ def synthetic_manifest(directory: Path) -> Path:
     return path
 
 
+def without_requires(shipped: Path, directory: Path) -> Path:
+    """``shipped`` with its ``requires:`` section cut out (the text up to the next top-level key)."""
+    text = shipped.read_text()
+    start = text.index("\nrequires:\n")
+    end = text.index("\nmodels:\n", start)
+    path = directory / "no-requires.yaml"
+    path.write_text(text[:start] + text[end:])
+    return path
+
+
 def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float, object]:
     """Median wall and CPU seconds of ``fn`` over ``repeat`` runs, and its last result."""
     walls, cpus = [], []
@@ -107,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         synthetic = synthetic_manifest(Path(tmp))
         run_check(shipped, args.vllm)  # warm-up: imports, page cache
         rows = []
-        for label, manifest in (("afd vllm-0.32.yaml", shipped), (f"synthetic ({len(SYNTHETIC_TARGETS)} targets)",
-                                                                    synthetic)):
+        cases = (("afd vllm-0.32.yaml", shipped), ("same, without requires:", without_requires(shipped, Path(tmp))),
+                 (f"synthetic ({len(SYNTHETIC_TARGETS)} targets)", synthetic))
+        for label, manifest in cases:
             wall, cpu, result = timed(lambda m=manifest: run_check(m, args.vllm, fmt="json"), args.repeat)
             code, _ = result  # type: ignore[misc]
             rows.append((label, wall, cpu, code))

@@ -75,6 +75,15 @@ class Status:
     def vllm_version(self) -> str | None:
         return self.run.runtime.vllm_version if self.run is not None else None
 
+    # -- requirement verdicts (issue 15): a read-only view, delegated; nothing here runs in the hook --
+    @property
+    def requirements(self) -> list[Any]:
+        """Verdicts of the selected manifest's ``requires:`` against the running vLLM's source
+        (``patchkit.requirements.Verdict``; judged on first access, then kept). Empty without a plan."""
+        from patchkit import requirements
+
+        return requirements.of_status(self)
+
     def __repr__(self) -> str:
         return f"Status({self.plugin!r}, active={self.active}, problem={self.problem!r})"
 

@@ -7,7 +7,8 @@ fingerprints, where the definition is, every alias site that binds the target
 and whether ``rebind`` covers it, the subclasses that override a method target,
 whether ``retire_when`` holds for the tree's version, and — given ``base_src``,
 the tree the manifest was written against — a unified diff of each drifted or
-moved target.
+moved target. Requirements (``requires:``, entries with op ``require`` and id
+``require:<target>``) get the same verdicts, judged by their ``pin``.
 
 Exit codes: 0 nothing would fail; 1 an entry that is required with
 ``on_drift: fail`` is drifted, moved or missing (an ``op: set`` entry whose
@@ -54,6 +55,7 @@ class EntryCheck:
         r = self.report
         return {
             "id": self.entry.id, "target": self.entry.target, "op": self.entry.op,
+            "pin": self.entry.pin if self.entry.op == "require" else None,
             "required": self.entry.required, "on_drift": self.entry.on_drift,
             "verdict": r.verdict, "fails": self.fails,
             "fingerprint": {"pinned": r.pinned, "found": r.found},
@@ -85,7 +87,8 @@ def _version_holds(spec: str, version: str | None) -> bool | None:
 def _diff(entry: Entry, report: TargetReport, tree: SourceTree, base: Resolver | None) -> str | None:
     if base is None or report.verdict not in _FAILING:
         return None
-    old = base.resolve_target(entry.target).definition
+    resolution = base.resolve_target(entry.target)
+    old = resolution.definition or (resolution.inherited if entry.op == "require" else None)
     new = report.definition or (report.candidates[0] if report.candidates else None)
     if old is None and new is None:
         return None
@@ -100,11 +103,11 @@ def _diff(entry: Entry, report: TargetReport, tree: SourceTree, base: Resolver |
 
 
 def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None = None) -> list[EntryCheck]:
-    """Analyze every entry of ``manifest`` in ``tree`` (and diff drifted ones against ``base``)."""
+    """Analyze every entry and requirement of ``manifest`` in ``tree`` (and diff drifted ones against ``base``)."""
     resolver = Resolver(tree)
     base_resolver = Resolver(base) if base is not None else None
     results = []
-    for entry in manifest.entries:
+    for entry in (*manifest.entries, *manifest.requires):
         report = analyze(resolver, entry, manifest.packages)
         creates = entry.op == "set" and report.verdict == "missing" and report.owner_exists
         if creates:
@@ -163,7 +166,8 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
     counts: dict[str, int] = {}
     for r in results:
         counts[r.report.verdict] = counts.get(r.report.verdict, 0) + 1
-    doc["summary"] = {"entries": len(results), "verdicts": counts, "failing": [r.entry.id for r in results if r.fails],
+    doc["summary"] = {"entries": len(results), "requirements": len(loaded.requires),
+                      "verdicts": counts, "failing": [r.entry.id for r in results if r.fails],
                       "uncovered_sites": sum(len(r.report.uncovered) for r in results),
                       "modules": len(tree.modules), "parsed": tree.parsed_count,
                       "seconds": round(time.perf_counter() - started, 3)}
@@ -194,7 +198,9 @@ def _text(doc: dict[str, Any]) -> str:
     for e in doc["entries"]:
         flag = "FAIL" if e["fails"] else ("ok" if e["verdict"] == "ok" else "warn")
         out.append("")
-        out.append(f"[{flag}] {e['id']}: {e['target']} -> {e['verdict']}")
+        subject = (f"requires {e['target']} (pin {e['pin']})" if e["op"] == "require"
+                   else f"{e['id']}: {e['target']}")
+        out.append(f"[{flag}] {subject} -> {e['verdict']}")
         fp = e["fingerprint"]
         out.append(f"    fingerprint pinned {fp['pinned'] or '-'} found {fp['found'] or '-'}")
         if e["definition"]:
@@ -224,7 +230,8 @@ def _text(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
     out.append("")
-    out.append(f"{s['entries']} entries: {verdicts}; {s['uncovered_sites']} uncovered alias sites; "
+    out.append(f"{s['entries']} entries ({s['requirements']} requirements): {verdicts}; "
+               f"{s['uncovered_sites']} uncovered alias sites; "
                f"failing: {', '.join(s['failing']) or 'none'} (exit {doc['exit_code']})")
     out.append(f"parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s")
     return "\n".join(out) + "\n"
@@ -268,7 +275,8 @@ def _markdown(doc: dict[str, Any]) -> str:
     if doc["problems"]:
         out += ["", "Problems:", ""] + [f"- {_md(p)}" for p in doc["problems"]]
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
-    out += ["", f"**{s['entries']} entries**: {verdicts}; {s['uncovered_sites']} uncovered alias sites; failing: "
+    out += ["", f"**{s['entries']} entries** ({s['requirements']} requirements): "
+            f"{verdicts}; {s['uncovered_sites']} uncovered alias sites; failing: "
             f"{', '.join(f'`{f}`' for f in s['failing']) or 'none'} (exit {doc['exit_code']}). "
             f"Parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s."]
     return "\n".join(out) + "\n"

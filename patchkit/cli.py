@@ -48,7 +48,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             bad += 1
             print(exc, file=sys.stderr)
             continue
-        print(f"{path}: ok ({len(m.entries)} entries, {len(m.models)} models, vllm{m.vllm_version})")
+        print(f"{path}: ok ({len(m.entries)} entries, {len(m.requires)} requirements, {len(m.models)} models, "
+              f"vllm{m.vllm_version})")
     return 1 if bad else 0
 
 

@@ -12,6 +12,9 @@
   ``diff --git-driver ARGS…`` (git's seven diff-driver arguments; also
   recognised when exactly seven paths are given) — see ``patchkit.semdiff``.
   Exit 0 equal, 1 different, 2 bad input; the driver form always exits 0.
+- ``deps MANIFEST [--vllm SRC] [--src DIR] [--format text|json] [--suggest]`` —
+  see ``patchkit.deps``. Exit 0 every used vLLM symbol declared and every
+  requirement used, 1 a gap, 2 bad input.
 - ``docs [--check] [--out PATH]`` — see ``patchkit.docsgen``. Exit 0 written /
   current, 1 stale (``--check``), 2 bad input.
 
@@ -77,6 +80,14 @@ def cmd_docs(args: argparse.Namespace) -> int:
     return _emit(code, output, (1, 2))
 
 
+def cmd_deps(args: argparse.Namespace) -> int:
+    """Run ``patchkit deps``: the plugin's vLLM symbols against the manifest's ``requires:``."""
+    from patchkit.deps import run_deps
+
+    code, output = run_deps(args.manifest, args.vllm, args.src, args.format, args.suggest)
+    return _emit(code, output)
+
+
 def add_commands(subparsers: Any) -> None:
     """Add the review commands to ``patchkit``'s subparsers (an ``argparse`` subparsers action)."""
     p = subparsers.add_parser(
@@ -107,6 +118,15 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--git-driver", action="store_true",
                    help="act as a git diff driver (git config diff.patchkit.command 'patchkit diff --git-driver')")
     p.set_defaults(func=cmd_diff)
+
+    p = subparsers.add_parser(
+        "deps", help="every vLLM symbol the plugin's packages use, against the manifest's requires:")
+    p.add_argument("manifest", help="the manifest file (its 'packages' are scanned)")
+    p.add_argument("--vllm", default="installed", metavar="SRC", help="'installed' (default), a folder or a .whl")
+    p.add_argument("--src", metavar="DIR", help="a folder holding the packages (default: where they import from)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--suggest", action="store_true", help="print YAML for undeclared symbols, with fingerprints")
+    p.set_defaults(func=cmd_deps)
 
     p = subparsers.add_parser("docs", help="write docs/patches.md from the registered manifests")
     p.add_argument("--check", action="store_true", help="exit 1 if the file is stale instead of writing it")

@@ -5,7 +5,8 @@ the command uses ``patchkit.cli.registered_manifest_dirs()``): per plugin, a
 table of its manifests with their vLLM pins, then every patch id with its
 ``why``, target, op, ``with``, the releases that carry it (the manifests whose
 ``patches`` contain the id, with their pins), ``upstream`` and ``retire_when``,
-then the models and the worker overrides the same way. When an id differs
+then every requirement (``requires:``: target, pin, ``why``, the releases that
+declare it), then the models and the worker overrides the same way. When an id differs
 between manifests (a target moved in a later release, say), each variant is
 listed with the manifests that have it.
 
@@ -139,6 +140,25 @@ def _patch_section(manifests: list[_Loaded]) -> list[str]:
     return out
 
 
+def _requirement_section(manifests: list[_Loaded]) -> list[str]:
+    by_target: dict[str, list[tuple[_Loaded, dict[str, Any]]]] = {}
+    for loaded in manifests:
+        for r in loaded.manifest.requires:
+            view = {"pin": r.pin, "why": r.why, "on_drift": r.on_drift, "indirect": r.indirect}
+            by_target.setdefault(r.target, []).append((loaded, view))
+    out = ["### Requirements", ""]
+    if not by_target:
+        return [*out, "None.", ""]
+    out += ["vLLM symbols the plugin relies on without patching them; `patchkit check` judges each by its pin "
+            "(its fingerprint, per release, is in the manifest).", "",
+            "| symbol | pin | on drift | releases | why |", "|---|---|---|---|---|"]
+    for target, items in by_target.items():
+        for view, where in _variants(items):
+            pin = view["pin"] + (" (indirect)" if view["indirect"] else "")
+            out.append(f"| `{target}` | {pin} | {view['on_drift']} | {_releases(where)} | {_md(view['why'])} |")
+    return [*out, ""]
+
+
 def _model_section(manifests: list[_Loaded]) -> list[str]:
     by_arch: dict[str, list[tuple[_Loaded, dict[str, Any]]]] = {}
     for loaded in manifests:
@@ -187,20 +207,22 @@ def render(dirs: dict[str, Path]) -> str:
     for plugin in sorted(dirs):
         manifests = _load_dir(dirs[plugin])
         out += [f"## Plugin `{plugin}`", "", "### Manifests", "",
-                "| manifest | selects | commit | patches | models | workers |", "|---|---|---|---|---|---|"]
+                "| manifest | selects | commit | patches | requirements | models | workers |",
+                "|---|---|---|---|---|---|---|"]
         for loaded in manifests:
             m = loaded.manifest
             selects = ("fallback: any release no pinned manifest supports" if m.fallback
                        else f"`vllm{m.vllm_version}`")
             patches = sum(1 for e in m.entries if e.op != "workers")
             workers = "yes" if any(e.op == "workers" for e in m.entries) else "no"
-            out.append(f"| `{loaded.name}` | {selects} | {_code(m.vllm_commit)} | {patches} | {len(m.models)} | "
-                       f"{workers} |")
+            out.append(f"| `{loaded.name}` | {selects} | {_code(m.vllm_commit)} | {patches} | {len(m.requires)} | "
+                       f"{len(m.models)} | {workers} |")
         out.append("")
         if not manifests:
             out += ["No manifest files.", ""]
             continue
-        out += _patch_section(manifests) + _model_section(manifests) + _workers_section(manifests)
+        out += (_patch_section(manifests) + _requirement_section(manifests) + _model_section(manifests)
+                + _workers_section(manifests))
     return "\n".join(out).rstrip("\n") + "\n"
 
 

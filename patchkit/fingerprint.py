@@ -112,3 +112,13 @@ def compare(expected: str, actual: str | None) -> str:
     if len(exp) != 3 or len(act) != 3 or exp[0] != act[0]:
         return "drifted:signature"
     return "drifted:signature" if exp[1] != act[1] else "drifted:body"
+
+
+def compare_pinned(pin: str, expected: str | None, actual: str | None) -> str:
+    """``compare`` for a requirement's ``pin``: ``exists`` ignores fingerprints, ``signature``
+    compares only their signature halves, ``full`` is ``compare``. No fingerprint pinned: ``match``."""
+    if pin == "exists" or expected is None:
+        return "match"
+    if pin == "signature" and actual is not None:
+        return "match" if expected.split(":")[:2] == actual.split(":")[:2] else "drifted:signature"
+    return compare(expected, actual)

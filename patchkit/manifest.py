@@ -101,6 +101,7 @@ def _semantic_problems(doc: dict[str, Any], lines: dict[FieldPath, int], file: s
         check_ref(("workers", "role_of"), workers["role_of"])
         for j, o in enumerate(workers["overrides"]):
             check_ref(("workers", "overrides", j, "class"), o["class"])
+    _requirement_problems(doc, add)
     archs: set[str] = set()
     for k, m in enumerate(doc.get("models", [])):
         check_ref(("models", k, "class"), m["class"])
@@ -129,6 +130,18 @@ def _semantic_problems(doc: dict[str, Any], lines: dict[FieldPath, int], file: s
     elif not problems:
         _conflict_problems(doc, graph, add)
     return problems
+
+
+def _requirement_problems(doc: dict[str, Any], add: Any) -> None:
+    """Requirements: one per target, and a fingerprint wherever the pin compares one."""
+    seen: dict[str, int] = {}
+    for i, r in enumerate(doc.get("requires", [])):
+        if r["target"] in seen:
+            add(("requires", i, "target"),
+                f"duplicate requirement {r['target']!r} (first at requires[{seen[r['target']]}])")
+        seen.setdefault(r["target"], i)
+        if r["pin"] != "exists" and "fingerprint" not in r:
+            add(("requires", i), f"pin {r['pin']!r} needs a 'fingerprint' (patchkit deps --tree SRC prints it)")
 
 
 def _find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
@@ -243,10 +256,17 @@ def _build(doc: dict[str, Any], lines: dict[FieldPath, int], file: str, digest: 
                           when=m.get("when", {}))
         for k, m in enumerate(doc.get("models", []))
     )
+    requires = tuple(
+        Entry(id=f"require:{r['target']}", target=r["target"], op="require", line=_line(lines, ("requires", i)),
+              fingerprint=r.get("fingerprint"), rebind="none", pin=r["pin"], indirect=r.get("indirect", False),
+              on_drift=r.get("on_drift", defaults.get("on_drift", "fail")), why=r["why"])
+        for i, r in enumerate(doc.get("requires", []))
+    )
     return Manifest(
         file=file, plugin=doc["plugin"], packages=tuple(doc["packages"]),
         vllm_version=doc["vllm"]["version"], vllm_commit=doc["vllm"].get("commit"),
         fallback=doc.get("fallback", False), entries=tuple(entries), models=models, digest=digest,
+        requires=requires,
     )
 
 

@@ -23,15 +23,18 @@ WORKERS_ENTRY_ID = "workers"
 
 
 class Entry(Record):
-    """One monkey-patch (ops replace / wrap / set) or the worker override (op workers)."""
+    """One monkey-patch (ops replace / wrap / set), the worker override (op workers), or a
+    requirement (op require: a vLLM symbol the plugin relies on, never applied; ``pin`` says
+    how much of its fingerprint counts, ``indirect`` that the plugin's code does not name it)."""
 
     _fields = ("id", "target", "op", "line", "with_", "value", "has_value", "fingerprint", "after", "when",
-               "rebind", "on_drift", "required", "why", "upstream", "retire_when", "workers")
+               "rebind", "on_drift", "required", "why", "upstream", "retire_when", "workers", "pin", "indirect")
     __slots__ = _fields
     _defaults: ClassVar[dict[str, Any]] = {
         "with_": None, "value": None, "has_value": False, "fingerprint": None, "after": (), "when": {},
         "rebind": "auto", "on_drift": "fail", "required": True, "why": "", "upstream": None, "retire_when": {},
         "workers": None,  # op == "workers": {"role_of": ref, "overrides": [...]}
+        "pin": "full", "indirect": False,  # op == "require" only
     }
     id: str
     target: str
@@ -50,6 +53,8 @@ class Entry(Record):
     upstream: str | None
     retire_when: dict[str, Any]
     workers: dict[str, Any] | None
+    pin: str
+    indirect: bool
 
     @property
     def module(self) -> str:
@@ -72,8 +77,9 @@ class ModelRegistration(Record):
 
 class Manifest(Record):
     _fields = ("file", "plugin", "packages", "vllm_version", "vllm_commit", "fallback", "entries", "models",
-               "digest")
+               "digest", "requires")
     __slots__ = _fields
+    _defaults: ClassVar[dict[str, Any]] = {"requires": ()}
     file: str
     plugin: str
     packages: tuple[str, ...]
@@ -83,24 +89,27 @@ class Manifest(Record):
     entries: tuple[Entry, ...]
     models: tuple[ModelRegistration, ...]
     digest: str
+    requires: tuple[Entry, ...]  # op "require", in file order
 
     def to_json(self) -> dict[str, Any]:
         data = self._asdict()
         data["entries"] = [e._asdict() for e in self.entries]
+        data["requires"] = [e._asdict() for e in self.requires]
         data["models"] = [m._asdict() for m in self.models]
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
-        entries = []
-        for e in data["entries"]:
+        def entry(e: dict[str, Any]) -> Entry:
             e = dict(e)
             e["after"] = tuple(e["after"])
             if isinstance(e["rebind"], list):
                 e["rebind"] = tuple(e["rebind"])
-            entries.append(Entry(**e))
+            return Entry(**e)
+
         models = tuple(ModelRegistration(**m) for m in data["models"])
-        return cls(**{**data, "packages": tuple(data["packages"]), "entries": tuple(entries), "models": models})
+        return cls(**{**data, "packages": tuple(data["packages"]), "entries": tuple(map(entry, data["entries"])),
+                      "requires": tuple(map(entry, data.get("requires", ()))), "models": models})
 
 
 class Compiled(Record):

@@ -10,6 +10,9 @@ What changes, and what does not:
   ``vllm.commit`` becomes ``commit``, else the tree's commit (read statically
   from ``vllm/_version.py``; setuptools-scm's ``g`` prefix is dropped), else
   ``null`` — an old commit never survives into a manifest for another tree.
+- Requirements (``requires:``) are decided like entries, by their ``pin``; one
+  whose verdict is ``ok`` while a part its pin ignores changed (the body of a
+  ``signature`` pin) is re-pinned to the fingerprint found.
 - Each entry is checked in the new tree with ``patchkit.check.check_entries``
   (the same verdicts as ``patchkit check``). An entry whose target is unchanged
   (verdict ``ok``: the fingerprint matches) is kept as it is. An entry that is
@@ -177,6 +180,11 @@ def _entry_nodes(root: yaml.MappingNode) -> dict[str, _EntryNodes]:
                 out[keys["id"][1].value] = _EntryNodes(item, keys)
     if "workers" in top and isinstance(top["workers"][1], yaml.MappingNode):
         out[WORKERS_ENTRY_ID] = _EntryNodes(top["workers"][1], _items(top["workers"][1]))
+    if "requires" in top and isinstance(top["requires"][1], yaml.SequenceNode):
+        for item in top["requires"][1].value:
+            keys = _items(item)
+            if "target" in keys and isinstance(item, yaml.MappingNode):
+                out[f"require:{keys['target'][1].value}"] = _EntryNodes(item, keys)
     return out
 
 
@@ -354,6 +362,8 @@ def retarget_text(text: str, file: str, tree: SourceTree, version: str | None = 
         decision = Decision(entry.id, entry.target, r.verdict, r.pinned, r.found, "kept", notes=_notes(check))
         reason = _review_reason(check)
         fp_key = where.keys.get("fingerprint") if where else None
+        if entry.op == "require" and not reason and fp_key and r.found and r.found != r.pinned:
+            editor.replace(fp_key[1], _quote(r.found))  # a part the pin ignores changed: follow it
         if reason and entry.id in carried and r.found and carried[entry.id][0] == r.found and fp_key:
             decision.action = "carried"
             decision.reasons.append(f"{reason}: review carried from {reviewed[1] if reviewed else ''}")

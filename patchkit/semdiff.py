@@ -13,6 +13,8 @@ shows as a change of every entry that inherits it. What is compared:
   ``required``, ``why``, ``upstream``, ``retire_when``;
 - ``order``: the applied order (``patchkit.selection.order``) of the entries
   both manifests have, when their relative order differs;
+- ``requires``: requirements added / removed (by target), and per kept
+  target ``pin``, ``fingerprint``, ``on_drift``, ``indirect``, ``why``;
 - ``models``: registrations added / removed / changed (``class``, ``when``);
 - ``workers`` (the entry with op ``workers``): ``at``, ``fingerprint``,
   ``after``, ``on_drift``, ``role_of``, ``overrides``.
@@ -45,6 +47,7 @@ from patchkit.selection import order
 FORMATS = ("text", "markdown", "json")
 _ENTRY_FIELDS = ("target", "op", "with", "value", "when", "after", "fingerprint", "rebind", "on_drift",
                  "required", "why", "upstream", "retire_when")
+_REQUIRE_FIELDS = ("pin", "fingerprint", "on_drift", "indirect", "why")
 _WORKER_FIELDS = ("at", "fingerprint", "after", "on_drift", "role_of", "overrides")
 _NULL_DEVICE = "/dev/null"
 
@@ -95,6 +98,22 @@ def _workers_view(e: Entry) -> dict[str, Any]:
     w = e.workers or {}
     return {"at": e.target, "fingerprint": e.fingerprint, "after": list(e.after), "on_drift": e.on_drift,
             "role_of": w.get("role_of"), "overrides": w.get("overrides", [])}
+
+
+def _requirement_view(e: Entry) -> dict[str, Any]:
+    return {"pin": e.pin, "fingerprint": e.fingerprint, "on_drift": e.on_drift, "indirect": e.indirect, "why": e.why}
+
+
+def _keyed_changes(section: str, old: dict[str, Any], new: dict[str, Any], view: Any,
+                   names: tuple[str, ...]) -> list[Change]:
+    """Added / removed / changed items of one keyed section (``view`` turns an item into fields)."""
+    out = [Change(section, "removed", key, None, view(item), None) for key, item in old.items() if key not in new]
+    for key, item in new.items():
+        if key not in old:
+            out.append(Change(section, "added", key, None, None, view(item)))
+        else:
+            out.extend(_fields(section, key, names, view(old[key]), view(item)))
+    return out
 
 
 def _model_view(m: ModelRegistration) -> dict[str, Any]:
@@ -154,16 +173,12 @@ def diff_manifests(old: Manifest | None, new: Manifest | None) -> list[Change]:
         changes.append(Change("order", "changed", "plan order", None, old_order, new_order,
                               "the entries both manifests have are applied in a different order"))
 
-    old_models = {m.arch: m for m in (old.models if old else ())}
-    new_models = {m.arch: m for m in (new.models if new else ())}
-    for arch, m in old_models.items():
-        if arch not in new_models:
-            changes.append(Change("models", "removed", arch, None, _model_view(m), None))
-    for arch, m in new_models.items():
-        if arch not in old_models:
-            changes.append(Change("models", "added", arch, None, None, _model_view(m)))
-        else:
-            changes.extend(_fields("models", arch, ("class", "when"), _model_view(old_models[arch]), _model_view(m)))
+    changes.extend(_keyed_changes("requires", {e.target: e for e in (old.requires if old else ())},
+                                  {e.target: e for e in (new.requires if new else ())}, _requirement_view,
+                                  _REQUIRE_FIELDS))
+    changes.extend(_keyed_changes("models", {m.arch: m for m in (old.models if old else ())},
+                                  {m.arch: m for m in (new.models if new else ())}, _model_view,
+                                  ("class", "when")))
 
     old_w = next((e for e in (old.entries if old else ()) if e.op == "workers"), None)
     new_w = next((e for e in (new.entries if new else ()) if e.op == "workers"), None)
@@ -194,6 +209,8 @@ def _summary_of(view: dict[str, Any] | None) -> str:
         return f"{view['op']} {view['target']}" + (f" with {view['with']}" if view.get("with") else "")
     if "class" in view:
         return view["class"]
+    if "pin" in view:
+        return f"pin {view['pin']}"
     return f"at {view.get('at')}"
 
 

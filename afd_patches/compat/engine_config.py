@@ -18,7 +18,8 @@ class AfdUnavailable(RuntimeError):
 
 
 def require_active_plan() -> None:
-    """Raise AfdUnavailable unless a pinned afd manifest is active in this process."""
+    """Raise AfdUnavailable unless a pinned afd manifest is active in this process and every
+    requirement of it that fails on drift holds for the running vLLM (checked here, once)."""
     import patchkit  # public API only, and only runs that ask for AFD get here
 
     status = patchkit.status("afd")
@@ -29,6 +30,13 @@ def require_active_plan() -> None:
     if status.fallback:
         raise AfdUnavailable(
             f"vLLM {status.vllm_version} is not supported by afd-plugin; supported: {status.supported}"
+        )
+    drifted = [v for v in status.requirements if v.fails]
+    if drifted:
+        raise AfdUnavailable(
+            f"vLLM {status.vllm_version} no longer has what afd-plugin relies on ("
+            + "; ".join(v.describe() for v in drifted)
+            + "); AFD is refused, a run without AFD is unaffected. See docs/manifests.md, 'requires'."
         )
 
 

@@ -64,7 +64,10 @@ _FFN_STACKED = WeightsMapper(
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
-    """The condition under which vLLM's DeepSeek-V2 decoder layer builds a ``DeepseekV2MoE``."""
+    """The condition under which vLLM's DeepSeek-V2 decoder layer builds a ``DeepseekV2MoE``.
+
+    vLLM has no helper for it, so this mirrors ``DeepseekV2DecoderLayer.__init__``, which every
+    manifest pins in full (``requires:``, docs/manifests.md)."""
     freq = getattr(config, "moe_layer_freq", 1)
     return config.n_routed_experts is not None and layer >= config.first_k_dense_replace and layer % freq == 0
 

@@ -7,7 +7,9 @@ or, for ``mlp_only_layers`` / non-sparse steps, the dense ``Qwen3MoeMLP``.
 FusedMoE looks itself up in vLLM's forward context, so FFN calls run inside
 one. The MoE bookkeeping attributes vLLM reads (``moe_layers``,
 ``num_moe_layers``, expert counts) describe the FFN role's experts; the
-attention role reports none. EPLB and expert parallelism are not supported.
+attention role reports none. Those counts mirror ``Qwen3MoeForCausalLM.__init__``
+(vLLM has no helper that sets them from a block); the manifests pin that class in
+full, ``__init__`` included. EPLB and expert parallelism are not supported.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from afd_patches.models.common import ATTENTION, AfdCausalLMMixin
 
 
 def _is_sparse(config: Any, layer: int) -> bool:
-    """The condition under which vLLM's Qwen3-MoE decoder layer builds a sparse MoE block."""
+    """The condition under which vLLM's Qwen3-MoE decoder layer builds a sparse MoE block.
+
+    vLLM has no helper for it, so this mirrors ``Qwen3MoeDecoderLayer.__init__``; every
+    manifest pins that ``__init__`` (``requires:``, pin ``full``), so a vLLM that changes
+    the rule fails ``patchkit check`` and AFD is refused on it (docs/manifests.md)."""
     mlp_only = getattr(config, "mlp_only_layers", None) or []
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return layer not in mlp_only and config.num_experts > 0 and (layer + 1) % step == 0

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from patchkit import fingerprint, rebind
 from patchkit.planning import Entry
-from patchkit.static.resolve import Definition, Override, Resolver
+from patchkit.static.resolve import Definition, Override, Resolution, Resolver
 from patchkit.static.sites import AliasSite, alias_sites
 
 _REBINDING_OPS = ("replace", "wrap", "workers")
@@ -60,17 +60,44 @@ def _decorator_names(node: ast.AST) -> set[str]:
     return names
 
 
+def _absent(resolver: Resolver, entry: Entry, resolution: Resolution) -> TargetReport:
+    """The report of a target not found where the entry says: ``moved`` (with candidates) or ``missing``."""
+    candidates = resolver.find_definitions(entry.qualname, exclude_module=entry.module)
+    report = TargetReport(entry.target, "moved" if candidates else "missing", entry.fingerprint, None, None,
+                          resolution.owner is not None, candidates)
+    if resolution.reason:
+        report.notes.append(resolution.reason)
+    return report
+
+
+def analyze_requirement(resolver: Resolver, entry: Entry) -> TargetReport:
+    """The ``TargetReport`` of a requirement (op ``require``): its pin decides which fingerprint half counts.
+
+    A class member the class only inherits counts as found (the runtime looks it
+    up along the bases too); no alias sites or overrides: nothing is patched.
+    """
+    resolution = resolver.resolve_target(entry.target)
+    definition = resolution.definition or resolution.inherited
+    if definition is None:
+        return _absent(resolver, entry, resolution)
+    found = fingerprint.of_node(definition.node)
+    comparison = fingerprint.compare_pinned(entry.pin, entry.fingerprint, found)
+    report = TargetReport(entry.target, "ok" if comparison == "match" else comparison.replace(":", ": "),
+                          entry.fingerprint, found, definition, True)
+    report.notes.append(f"pin {entry.pin}")
+    if (definition.module, definition.qualname) != (entry.module, entry.qualname):
+        report.notes.append(f"defined as {definition.ref} (reached through imports or bases)")
+    return report
+
+
 def analyze(resolver: Resolver, entry: Entry, packages: tuple[str, ...]) -> TargetReport:
     """The ``TargetReport`` of ``entry`` in the resolver's tree (parses only what it needs)."""
+    if entry.op == "require":
+        return analyze_requirement(resolver, entry)
     resolution = resolver.resolve_target(entry.target)
     definition = resolution.definition
     if definition is None:
-        candidates = resolver.find_definitions(entry.qualname, exclude_module=entry.module)
-        report = TargetReport(entry.target, "moved" if candidates else "missing", entry.fingerprint, None, None,
-                              resolution.owner is not None, candidates)
-        if resolution.reason:
-            report.notes.append(resolution.reason)
-        return report
+        return _absent(resolver, entry, resolution)
 
     found = fingerprint.of_node(definition.node)
     if entry.fingerprint:

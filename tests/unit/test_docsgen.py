@@ -76,8 +76,8 @@ def _dirs(tmp_path: Path) -> dict[str, Path]:
 def test_render_content(tmp_path):
     text = render(_dirs(tmp_path))
     assert text.index("## Plugin `demo`") < text.index("## Plugin `zeta`")  # plugins by name
-    assert "| `vllm-0.32.yaml` | `vllm==0.32.0` | — | 1 | 1 | yes |" in text
-    assert "| `any.yaml` | fallback: any release no pinned manifest supports | — | 1 | 0 | no |" in text
+    assert "| `vllm-0.32.yaml` | `vllm==0.32.0` | — | 1 | 0 | 1 | yes |" in text
+    assert "| `any.yaml` | fallback: any release no pinned manifest supports | — | 1 | 0 | 0 | no |" in text
     one = text[text.index("#### `demo.one`"):text.index("#### `demo.two`")]
     assert "Releases: vllm==0.32.0 (`vllm-0.32.yaml`), vllm==0.33.0 (`vllm-0.33.yaml`), fallback (`any.yaml`)" in one
     # the target moved in 0.33: both variants, each with its releases
@@ -92,6 +92,22 @@ def test_render_content(tmp_path):
     assert "| attention | `demo_patches.w:Attn` | `{\"platform\": [\"cpu\"]}` |" in text
     assert "No manifest files." in text  # zeta
     assert str(tmp_path) not in text
+
+
+def test_requirements_listed_per_release(tmp_path):
+    dirs = _dirs(tmp_path)
+    for name, pin in (("vllm-0.32.yaml", "signature"), ("vllm-0.33.yaml", "full")):
+        path = dirs["demo"] / name
+        path.write_text(path.read_text().replace("\nmodels:", (
+            "\nrequires:\n  - target: vllm.z:Base.__init__\n"
+            f"    pin: {pin}\n    fingerprint: \"ast1:0123456789abcdef:0123456789abcdef\"\n"
+            "    why: constructed with keywords\nmodels:"), 1))
+    text = render(dirs)
+    assert "| `vllm-0.32.yaml` | `vllm==0.32.0` | — | 1 | 1 | 1 | yes |" in text
+    section = text[text.index("### Requirements"):text.index("### Models")]
+    assert ("| `vllm.z:Base.__init__` | signature | fail | vllm==0.32.0 (`vllm-0.32.yaml`) | "
+            "constructed with keywords |") in section
+    assert "| `vllm.z:Base.__init__` | full | fail | vllm==0.33.0 (`vllm-0.33.yaml`) |" in section
 
 
 def test_deterministic(tmp_path):

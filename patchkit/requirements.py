@@ -1,0 +1,116 @@
+"""Run-time verdicts of a manifest's ``requires:``: does the running vLLM still have what the plugin relies on?
+
+patchkit only reports; the plugin decides what a drifted requirement means for it
+(afd refuses to start AFD, a run without AFD is untouched). ``verdicts(manifest)``
+judges each requirement against the source of the vLLM this process imports, with
+the static model of ``patchkit.static`` — the same resolver, fingerprints and pin
+rules as ``patchkit check``, so the two never disagree — and without importing a
+single target module: a requirement on a GPU worker is judged on a CPU machine
+too, and no vLLM module runs code because it was checked.
+
+Cost: the tree is indexed (one directory walk) and only files that name a
+required symbol are parsed; about a quarter of a second for the afd manifest
+(docs/benchmarks.md). Nothing here runs in the plugin hook; ``Status.requirements``
+calls ``of_status`` on first access, and the result is kept per manifest digest.
+
+Limits: those of the static model (names built at run time, module
+``__getattr__`` hooks are not seen); a vLLM tree that cannot be read gives every
+requirement the verdict ``unreadable: <why>``, which fails like a drift.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from patchkit.planning import Manifest
+
+FAILING = ("drifted: signature", "drifted: body", "moved", "missing")
+
+_lock = threading.Lock()
+_cache: dict[tuple[str, str], list[Verdict]] = {}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One requirement against the running vLLM.
+
+    ``verdict`` is ``ok``, ``drifted: signature``, ``drifted: body``, ``moved``,
+    ``missing`` or ``unreadable: …``; ``fails`` is True when it is not ``ok`` and
+    the requirement's ``on_drift`` is ``fail`` (``warn``/``skip``: reported only).
+    """
+
+    target: str
+    pin: str
+    verdict: str
+    on_drift: str
+    why: str
+    pinned: str | None
+    found: str | None
+    where: str | None
+
+    @property
+    def fails(self) -> bool:
+        return self.verdict != "ok" and self.on_drift == "fail"
+
+    def describe(self) -> str:
+        """``target: verdict (pin P; pinned X, found Y)`` for messages."""
+        return (f"{self.target}: {self.verdict} (pin {self.pin}; pinned {self.pinned or '-'}, "
+                f"found {self.found or '-'})")
+
+
+def verdicts(manifest: Manifest, source: str = "installed") -> list[Verdict]:
+    """Judge every requirement of ``manifest`` against ``source`` (``installed``, a folder or a wheel)."""
+    from patchkit.static import Resolver, TreeError, analyze, open_tree
+
+    if not manifest.requires:
+        return []
+    collecting = gc.isenabled()
+    gc.disable()  # parsing builds large acyclic trees (see patchkit.check)
+    try:
+        try:
+            resolver = Resolver(open_tree(source))
+        except TreeError as exc:
+            return [Verdict(r.target, r.pin, f"unreadable: {exc}", r.on_drift, r.why, r.fingerprint, None, None)
+                    for r in manifest.requires]
+        out = []
+        for r in manifest.requires:
+            try:
+                report = analyze(resolver, r, manifest.packages)
+                verdict = report.verdict
+            except RecursionError:
+                verdict, report = "unreadable: a source file nests too deeply", None
+            d = report.definition if report else None
+            where = f"{resolver.tree.path_of(d.module)}:{d.first_line}" if d else None
+            out.append(Verdict(r.target, r.pin, verdict, r.on_drift, r.why, r.fingerprint,
+                               report.found if report else None, where))
+        return out
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def of_status(status: Any) -> list[Verdict]:
+    """The verdicts for a ``patchkit.Status`` (its selected manifest), computed once per manifest."""
+    run = status.run
+    if run is None:
+        return []
+    manifest: Manifest = run.manifest
+    key = (status.plugin, manifest.digest)
+    with _lock:
+        if key not in _cache:
+            _cache[key] = verdicts(manifest)
+            _log(status.plugin, _cache[key])
+        return _cache[key]
+
+
+def _log(plugin: str, results: list[Verdict]) -> None:
+    import logging
+
+    log = logging.getLogger("patchkit")
+    for v in results:
+        if v.verdict != "ok":
+            level = logging.ERROR if v.fails else logging.WARNING
+            log.log(level, "patchkit: %s: requirement %s", plugin, v.describe())

@@ -1,0 +1,57 @@
+"""The drift lane (scripts/drift_lane.py): same verdicts as ``patchkit check``, a report, an exit code."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from patchkit.check import run_check
+from tests.unit.test_retarget import _wheel
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "tests"))
+import drift_lane  # noqa: E402
+from drift_injection import DRIFTS, drifted_copy  # noqa: E402
+
+M033 = REPO / "manifests" / "afd" / "vllm-0.33.yaml"
+
+
+def test_newest_manifest_is_the_highest_pinned_release():
+    assert drift_lane.newest_manifest(REPO / "manifests" / "afd") == REPO / "manifests" / "afd" / "vllm-0.33.yaml"
+
+
+@pytest.mark.vllm
+def test_lane_on_the_033_wheel_gives_the_verdicts_of_patchkit_check(tmp_path):
+    wheel = str(_wheel("0.33.0"))
+    code, report, results = drift_lane.run_lane(M033, [("0.33 wheel", wheel)], None)
+    check_code, out = run_check(M033, wheel, fmt="json")
+    expected = {e["id"]: (e["verdict"], e["fails"]) for e in json.loads(out)["entries"]}
+    got = {e["id"]: (e["verdict"], e["fails"]) for e in results["0.33 wheel"]["entries"]}
+    assert got == expected and len(got) == 29
+    assert code == check_code == 0
+    assert "## 0.33 wheel: vLLM 0.33.0 fits" in report
+    out_file = tmp_path / "report.md"
+    assert drift_lane.main(["--wheel", wheel, "--report", str(out_file)]) == 0  # the newest manifest: 0.33
+    assert "vLLM 0.33.0 fits" in out_file.read_text()
+
+
+def test_lane_reports_drift_with_exit_1_and_names_it(tmp_path):
+    tree = drifted_copy(tmp_path / "tree", ["kwarg"])
+    out_file = tmp_path / "report.md"
+    manifest = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
+    code = drift_lane.main(["--wheel", str(tree), "--manifest", str(manifest), "--base", "installed",
+                            "--report", str(out_file)])
+    report = out_file.read_text()
+    assert code == 1
+    assert "**DRIFTED**" in report and f"`require:{DRIFTS['kwarg'].requirement}`" in report
+    assert "```diff" in report  # the source diff against the base tree
+
+
+def test_lane_with_nothing_checkable_exits_2(tmp_path):
+    out_file = tmp_path / "report.md"
+    assert drift_lane.main(["--wheel", str(tmp_path / "missing.whl"), "--report", str(out_file)]) == 2
+    assert "Could not be checked" in out_file.read_text()

@@ -1,0 +1,156 @@
+"""``requires:``: the manifest format, pins, and injected drift seen by check, retarget and the run-time verdicts.
+
+The drift tests copy the installed vLLM tree (tests/drift_injection.py) and change one
+required symbol per kind; the run-time half (AFD refused, plain generation unaffected)
+is in tests/integration/test_requirements_runtime.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from patchkit import fingerprint, manifest, requirements
+from patchkit.check import run_check
+from patchkit.errors import ManifestError
+from patchkit.retarget import retarget_text
+from patchkit.semdiff import diff_manifests, render
+from patchkit.static import open_tree
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from drift_injection import DRIFTS, drifted_copy  # noqa: E402
+
+M032 = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
+FP = "ast1:0123456789abcdef:fedcba9876543210"
+
+
+def _doc(requires: str) -> str:
+    return textwrap.dedent("""\
+        format: 1
+        plugin: demo
+        packages: [demo_patches]
+        vllm: {version: "==0.32.0"}
+        requires:
+        """) + textwrap.indent(textwrap.dedent(requires), "  ")
+
+
+@pytest.mark.parametrize("requires,needle", [
+    (f'- {{target: "vllm.x:Y", pin: always, fingerprint: "{FP}", why: w}}\n', "requires[0].pin"),
+    ("- {target: vllm.x:Y, pin: signature, why: w}\n", "pin 'signature' needs a 'fingerprint'"),
+    ("- {target: vllm.x:Y, pin: exists, why: w}\n- {target: vllm.x:Y, pin: exists, why: v}\n",
+     "duplicate requirement 'vllm.x:Y'"),
+    ("- {target: vllm.x:Y, pin: exists}\n", "requires[0]: 'why' is required"),
+    ("- {target: not a ref, pin: exists, why: w}\n", "requires[0].target"),
+])
+def test_bad_requirement_is_named_with_file_and_line(requires, needle):
+    with pytest.raises(ManifestError) as err:
+        manifest.parse(_doc(requires), "m.yaml")
+    text = str(err.value)
+    assert needle in text, text
+    assert "m.yaml:6" in text or "m.yaml:7" in text, text
+
+
+def test_requirement_defaults_and_fields():
+    m = manifest.parse(_doc(f'- {{target: "vllm.x:Y.__init__", pin: signature, fingerprint: "{FP}", why: w}}\n'
+                            "- {target: vllm.x:Z, pin: exists, indirect: true, on_drift: warn, why: v}\n"),
+                       "m.yaml")
+    first, second = m.requires
+    assert (first.op, first.id, first.pin, first.on_drift, first.indirect) == (
+        "require", "require:vllm.x:Y.__init__", "signature", "fail", False)
+    assert (second.pin, second.on_drift, second.indirect, second.fingerprint) == ("exists", "warn", True, None)
+    assert m.entries == ()  # requirements are never applied
+
+
+def test_pins_compare_the_parts_they_name():
+    sig_changed = "ast1:1111111111111111:fedcba9876543210"
+    body_changed = "ast1:0123456789abcdef:2222222222222222"
+    assert fingerprint.compare_pinned("exists", FP, sig_changed) == "match"
+    assert fingerprint.compare_pinned("signature", FP, body_changed) == "match"
+    assert fingerprint.compare_pinned("signature", FP, sig_changed) == "drifted:signature"
+    assert fingerprint.compare_pinned("full", FP, body_changed) == "drifted:body"
+    assert fingerprint.compare_pinned("full", FP, FP) == "match"
+
+
+def test_installed_tree_meets_every_requirement_of_its_manifest():
+    loaded = manifest.load(M032)
+    verdicts = requirements.verdicts(loaded)
+    assert len(verdicts) == len(loaded.requires) >= 20
+    assert [v.describe() for v in verdicts if v.verdict != "ok"] == []
+    assert all(v.where and ".py:" in v.where for v in verdicts)
+
+
+@pytest.fixture(scope="module")
+def drifted_trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {kind: drifted_copy(tmp_path_factory.mktemp(f"vllm-{kind}"), [kind]) for kind in DRIFTS}
+
+
+@pytest.mark.parametrize("kind", sorted(DRIFTS))
+def test_check_fails_naming_the_drifted_requirement(drifted_trees, kind):
+    drift = DRIFTS[kind]
+    code, out = run_check(M032, str(drifted_trees[kind]), base_src="installed")
+    assert code == 1, out
+    line = next(ln for ln in out.splitlines() if f"requires {drift.requirement} " in ln)
+    assert line.startswith("[FAIL]") and line.endswith(f"-> {drift.verdict}"), line
+    assert f"require:{drift.requirement}" in out.splitlines()[-2]  # the 'failing:' summary names it
+    assert f"--- base/{drift.requirement}" in out  # with --base: the source diff of the drifted symbol
+    if kind == "removed":
+        assert "+++ new/(absent)" in out
+
+
+@pytest.mark.parametrize("kind", sorted(DRIFTS))
+def test_retarget_flags_the_drifted_requirement(drifted_trees, kind):
+    drift = DRIFTS[kind]
+    result = retarget_text(M032.read_text(), str(M032), open_tree(str(drifted_trees[kind])))
+    flagged = {d.entry_id: d for d in result.needs_review}
+    decision = flagged[f"require:{drift.requirement}"]
+    assert decision.verdict == drift.verdict
+    lines = result.text.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.strip() == f"- target: {drift.requirement}")
+    block = "\n".join(lines[at:at + 4])
+    assert f"# REVIEW: {drift.verdict}" in block, block
+
+
+@pytest.mark.parametrize("kind", sorted(DRIFTS))
+def test_runtime_verdicts_name_the_drifted_requirement(drifted_trees, kind):
+    drift = DRIFTS[kind]
+    verdicts = {v.target: v for v in requirements.verdicts(manifest.load(M032), str(drifted_trees[kind]))}
+    v = verdicts[drift.requirement]
+    assert v.verdict == drift.verdict and v.fails
+    assert drift.requirement in v.describe() and drift.verdict in v.describe()
+
+
+def test_warn_requirement_is_reported_but_does_not_fail(drifted_trees, tmp_path):
+    text = M032.read_text().replace(
+        "  - target: vllm.model_executor.models.llama:LlamaMLP.__init__\n    pin: signature\n",
+        "  - target: vllm.model_executor.models.llama:LlamaMLP.__init__\n    pin: signature\n    on_drift: warn\n")
+    assert text != M032.read_text()
+    path = tmp_path / "warn.yaml"
+    path.write_text(text)
+    code, out = run_check(path, str(drifted_trees["kwarg"]))
+    assert code == 0, out
+    assert "[warn] requires vllm.model_executor.models.llama:LlamaMLP.__init__ (pin signature)" in out
+    v = next(v for v in requirements.verdicts(manifest.load(path), str(drifted_trees["kwarg"]))
+             if v.target.endswith("LlamaMLP.__init__"))
+    assert v.verdict == "drifted: signature" and not v.fails
+
+
+def test_unreadable_tree_fails_every_requirement(tmp_path):
+    verdicts = requirements.verdicts(manifest.load(M032), str(tmp_path / "absent"))
+    assert verdicts and all(v.verdict.startswith("unreadable:") and v.fails for v in verdicts)
+
+
+def test_diff_lists_requirement_changes(tmp_path):
+    old = manifest.load(M032)
+    text = M032.read_text()
+    start = text.index("  - target: vllm.model_executor.models.utils:PPMissingLayer")
+    end = text.index("  - target:", start + 5)
+    new = manifest.parse(text[:start] + text[end:], "new.yaml")
+    changes = diff_manifests(old, new)
+    assert [(c.section, c.kind, c.subject) for c in changes] == [
+        ("requires", "removed", "vllm.model_executor.models.utils:PPMissingLayer")]
+    assert "- requires vllm.model_executor.models.utils:PPMissingLayer: pin exists" in render(
+        changes, "text", "old", "new")
