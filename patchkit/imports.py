@@ -110,11 +110,15 @@ _finder = _Finder()
 
 def when_imported(name: str, callback: ImportCallback) -> bool:
     """Call ``callback(module)`` now (returns True) or right after ``name`` is imported (False)."""
+    lock = _module_lock(name)
     try:
-        with _module_lock(name):
-            module = _imported_or_registered(name, callback)
+        lock.__enter__()
     except RuntimeError:  # the import system detected a deadlock on that lock: decide without it
+        lock = contextlib.nullcontext()
+    try:
         module = _imported_or_registered(name, callback)
+    finally:
+        lock.__exit__(None, None, None)
     if module is None:
         return False
     _run([callback], module)
