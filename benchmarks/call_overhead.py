@@ -49,7 +49,7 @@ def paired(a, b, number: int = 200_000, rounds: int = 25) -> tuple[float, float]
 
 def main() -> None:
     import patchkit
-    from patchkit.planning import Runtime
+    from patchkit.plan import Runtime
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

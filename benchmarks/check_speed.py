@@ -34,8 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from patchkit.check import run_check  # noqa: E402
-from patchkit.static import open_tree  # noqa: E402
+from patchkit.review.check import run_check  # noqa: E402
+from patchkit.review.static import open_tree  # noqa: E402
 
 SYNTHETIC_TARGETS = [
     ("vllm.engine.arg_utils:EngineArgs.create_engine_config", "wrap"),

@@ -2,14 +2,14 @@
 
 Prints, for ``manifests/afd/vllm-0.32.yaml`` on the installed vLLM:
 
-1. ``patchkit.requirements.verdicts(manifest)`` — what ``Status.requirements`` runs once
+1. ``patchkit.review.requirements.verdicts(manifest)`` — what ``Status.requirements`` runs once
    in a process that asks for AFD (afd: the front end, when the engine config is built),
    median of ``--runs`` fresh processes (wall and CPU seconds; imports of the static
    model included, the manifest already parsed);
 2. how many requirements, and how many modules the judgement parsed;
 3. that the plugin hook itself never judges them: in a fresh process, after
-   ``import vllm`` and ``register_afd()``, ``patchkit.requirements`` and
-   ``patchkit.static`` are not in ``sys.modules``.
+   ``import vllm`` and ``register_afd()``, ``patchkit.review.requirements`` and
+   ``patchkit.review.static`` are not in ``sys.modules``.
 
 Usage: ``python benchmarks/requirement_verdicts.py [--runs N]``.
 """
@@ -30,7 +30,7 @@ import json, time
 from patchkit import manifest
 m = manifest.load({path!r})
 wall, cpu = time.perf_counter(), time.process_time()
-from patchkit import requirements
+from patchkit.review import requirements
 v = requirements.verdicts(m)
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
 print(json.dumps({{"wall": wall, "cpu": cpu, "n": len(v), "ok": sum(x.verdict == "ok" for x in v)}}))
@@ -39,7 +39,7 @@ print(json.dumps({{"wall": wall, "cpu": cpu, "n": len(v), "ok": sum(x.verdict ==
 _HOOK = """
 import sys, vllm, afd_patches
 afd_patches.register_afd()
-print(sorted(m for m in sys.modules if m.startswith(("patchkit.requirements", "patchkit.static"))))
+print(sorted(m for m in sys.modules if m.startswith(("patchkit.review.requirements", "patchkit.review.static"))))
 """
 
 

@@ -15,8 +15,8 @@ submodules and may change:
 - ``Status`` and the error types ``PatchkitError``, ``ManifestError``,
   ``PatchError``, ``UnsupportedRelease``.
 
-There is one way a plan gets applied: ``patchkit.engine``. What repeats between
-processes is cached as data only (``patchkit.cache``); nothing executable
+There is one way a plan gets applied: ``patchkit.runtime.engine``. What repeats between
+processes is cached as data only (``patchkit.runtime.cache``); nothing executable
 is read from disk.
 """
 
@@ -33,8 +33,8 @@ if typing.TYPE_CHECKING:
     from pathlib import Path
     from typing import Any
 
-    from patchkit.engine import Run
-    from patchkit.planning import Runtime
+    from patchkit.plan import Runtime
+    from patchkit.runtime.engine import Run
 
 __version__ = "0.1.0"  # the distribution's version (pyproject.toml); part of the plan cache key
 
@@ -53,7 +53,7 @@ class Status:
 
     ``active``: the plan is applied (or waiting for its modules) and has not failed.
     ``problem``: why not, when not. ``supported``: the releases the plugin's
-    pinned manifests name, for messages. ``run``: the ``patchkit.engine.Run``
+    pinned manifests name, for messages. ``run``: the ``patchkit.runtime.engine.Run``
     when a manifest was selected, else None. ``fallback``: the selected manifest
     is the plugin's ``fallback: true`` one (no pinned manifest fits this vLLM).
     """
@@ -79,8 +79,8 @@ class Status:
     @property
     def requirements(self) -> list[Any]:
         """Verdicts of the selected manifest's ``requires:`` against the running vLLM's source
-        (``patchkit.requirements.Verdict``; judged on first access, then kept). Empty without a plan."""
-        from patchkit import requirements
+        (``patchkit.review.requirements.Verdict``; judged on first access, then kept). Empty without a plan."""
+        from patchkit.review import requirements
 
         return requirements.of_status(self)
 
@@ -101,12 +101,12 @@ def activate(plugin: str, manifest_dir: str | Path, runtime: Runtime | None = No
         current = _status.get(plugin)
         if current is not None and (current.active or current.run is None):
             return current
-        from patchkit import cache, engine
-        from patchkit.planning import Runtime
+        from patchkit.plan import Runtime
+        from patchkit.runtime import cache, engine
 
         runtime = runtime or Runtime.detect()
         try:
-            compiled = cache.compiled(os.fspath(manifest_dir), runtime, plugin_version)
+            compiled = cache.compiled(os.fspath(manifest_dir), runtime, plugin_version, _compile_plan)
         except ManifestError as exc:
             _logger.error("patchkit: %s: invalid manifest, nothing applied:\n%s", plugin, exc)
             return _remember(Status(plugin, False, f"invalid manifest:\n{exc}", ""))
@@ -122,9 +122,16 @@ def activate(plugin: str, manifest_dir: str | Path, runtime: Runtime | None = No
         return result
 
 
+def _compile_plan(files: list[str], runtime: Runtime) -> Any:
+    """On a plan-cache miss: validate the manifests and select (YAML, JSON Schema: loaded only now)."""
+    from patchkit.manifest.select import compile_plan
+
+    return compile_plan(files, runtime)
+
+
 def _write_report(run: Run) -> None:
     if os.environ.get("PATCHKIT_REPORT_DIR"):
-        from patchkit import report
+        from patchkit.runtime import report
 
         report.write(run.report())
 

@@ -7,31 +7,7 @@
 
 from __future__ import annotations
 
-from patchkit.records import Record
-
-FieldPath = tuple[str | int, ...]
-
-
-def field_name(path: FieldPath) -> str:
-    """``("patches", 2, "op")`` → ``patches[2].op``."""
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-class Problem(Record):
-    """One finding in one manifest file: ``Problem(file, line, field, message)``."""
-
-    _fields = ("file", "line", "field", "message")
-    __slots__ = _fields
-    file: str
-    line: int
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.field or '<document>'}: {self.message}"
+from typing import Any
 
 
 class PatchkitError(Exception):
@@ -44,10 +20,11 @@ MAX_PROBLEMS = 50
 class ManifestError(PatchkitError):
     """A manifest (or a file given as one) is not valid.
 
-    Carries the first ``MAX_PROBLEMS`` problems found (``problems``) and how many
-    more there were (``more``); the message says "... and N more problems"."""
+    Carries the first ``MAX_PROBLEMS`` problems found (``problems``: ``patchkit.manifest.problems.Problem``,
+    each printing as ``file:line: field: message``) and how many more there were (``more``); the message
+    says "... and N more problems"."""
 
-    def __init__(self, problems: list[Problem], more: int = 0) -> None:
+    def __init__(self, problems: list[Any], more: int = 0) -> None:
         self.problems = list(problems[:MAX_PROBLEMS])
         self.more = more + max(0, len(problems) - MAX_PROBLEMS)
         tail = [f"... and {self.more} more problems"] if self.more else []

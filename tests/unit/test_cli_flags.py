@@ -22,7 +22,7 @@ import patchkit
 from afd_patches.compat import cli_flags
 from afd_patches.compat.cli_flags import AfdCliError, add_afd_cli_args, afd_from_cli_args, apply_flags
 from afd_patches.config import AfdConfigError, parse
-from patchkit.planning import Runtime
+from patchkit.plan import Runtime
 
 
 @dataclasses.dataclass

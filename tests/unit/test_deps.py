@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from patchkit.cli import main
-from patchkit.deps import run_deps
+from patchkit.review.deps import run_deps
 from tests.unit.test_retarget import _wheel
 
 REPO = Path(__file__).resolve().parents[2]

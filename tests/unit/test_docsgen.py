@@ -10,8 +10,9 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from patchkit.cli import main, registered_manifest_dirs
-from patchkit.docsgen import render, run_docs
+from patchkit.cli import main
+from patchkit.manifest import registered_manifest_dirs
+from patchkit.review.docs import render, run_docs
 
 REPO = Path(__file__).resolve().parents[2]
 

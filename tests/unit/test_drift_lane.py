@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit.check import run_check
+from patchkit.review.check import run_check
 from tests.unit.test_retarget import _wheel
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 import patchkit
-from patchkit import cache, cli, engine, fingerprint, selection
-from patchkit.planning import Runtime
+from patchkit import cli, fingerprint
+from patchkit.manifest import select as selection
+from patchkit.plan import Runtime
+from patchkit.runtime import cache, engine
 
 VICTIM = {
     "victim/__init__.py": "",
@@ -412,7 +414,7 @@ patches:
 
 
 def test_selection_commit_then_version_then_fallback(tmp_path, runtime):
-    from patchkit.selection import select
+    from patchkit.manifest.select import select
 
     d = tmp_path / "m"
     d.mkdir()
@@ -462,18 +464,17 @@ def test_compiled_plan_is_cached(victim, manifest_dir, runtime, monkeypatch):
 patches:
   - {id: loud, target: "victim.core:greet", op: wrap, with: "plug.patches:loud", why: t}
 """)
-    first = cache.compiled(d, runtime)
+    first = cache.compiled(d, runtime, "", selection.compile_plan)
 
     def no_compile(*args, **kwargs):
         raise AssertionError("the cached plan should have been used")
 
-    monkeypatch.setattr(selection, "compile_plan", no_compile)
-    second = cache.compiled(d, runtime)
+    second = cache.compiled(d, runtime, "", no_compile)
     assert second.digest == first.digest and second.order == ["loud"]
     # editing the manifest invalidates the cache
     (d / "m.yaml").write_text((d / "m.yaml").read_text() + "\n# edited, longer\n")
     with pytest.raises(AssertionError, match="cached plan"):
-        cache.compiled(d, runtime)
+        cache.compiled(d, runtime, "", no_compile)
 
 
 def test_models_register_lazily_and_revert(sandbox, manifest_dir, runtime, monkeypatch):
@@ -565,7 +566,7 @@ patches:
 
 
 def test_generated_wrapper_forwards_every_parameter_kind():
-    from patchkit.engine import make_wrapper
+    from patchkit.runtime.wrappers import make_wrapper
 
     def original(a, b=2, /, c=3, *rest, d, e=5, **extra):
         return (a, b, c, rest, d, e, extra)
@@ -586,7 +587,7 @@ def test_generated_wrapper_forwards_every_parameter_kind():
 
 
 def test_commit_ids_are_normalized():
-    from patchkit.planning import normalize_commit
+    from patchkit.plan import normalize_commit
 
     assert normalize_commit("gced6857af") == "ced6857af"  # CUDA wheels' git-describe form
     assert normalize_commit("CED6857AF") == "ced6857af"
@@ -596,7 +597,7 @@ def test_commit_ids_are_normalized():
 def test_non_function_callables_get_a_generic_wrapper():
     import functools
 
-    from patchkit.engine import make_wrapper
+    from patchkit.runtime.wrappers import make_wrapper
 
     def add(a, b):
         return a + b

@@ -24,10 +24,12 @@ import pytest
 import yaml
 
 import patchkit
-from patchkit import engine, fingerprint, manifest, selection
-from patchkit.imports import pending as pending_imports
-from patchkit.planning import Runtime
-from patchkit.targets import Slot, unwrap_descriptor
+from patchkit import fingerprint, manifest
+from patchkit.manifest import select as selection
+from patchkit.plan import Runtime
+from patchkit.runtime import engine
+from patchkit.runtime.imports import pending as pending_imports
+from patchkit.runtime.targets import Slot, unwrap_descriptor
 
 REPO = Path(__file__).resolve().parents[2]
 REAL = REPO / "manifests" / "afd" / "vllm-0.32.yaml"

@@ -37,10 +37,11 @@ from hypothesis import strategies as st
 
 import patchkit
 from afd_patches import config as afd_config
-from patchkit import engine, manifest
+from patchkit import manifest
 from patchkit.errors import ManifestError
-from patchkit.imports import pending as pending_imports
-from patchkit.planning import Runtime
+from patchkit.plan import Manifest, Runtime
+from patchkit.runtime import engine
+from patchkit.runtime.imports import pending as pending_imports
 
 REPO = Path(__file__).resolve().parents[2]
 REAL_MANIFESTS = sorted((REPO / "manifests" / "afd").glob("*.yaml"))
@@ -76,7 +77,7 @@ def n_lines(text: str | bytes) -> int:
     return max(1, len(s.splitlines()))
 
 
-def check_parse(text: str | bytes, file: str = "fuzz.yaml") -> manifest.Manifest | None:
+def check_parse(text: str | bytes, file: str = "fuzz.yaml") -> Manifest | None:
     """The parse property; returns the Manifest or None (for a ManifestError)."""
     try:
         result = manifest.parse(text, file)
@@ -89,7 +90,7 @@ def check_parse(text: str | bytes, file: str = "fuzz.yaml") -> manifest.Manifest
             assert isinstance(p.field, str), p
             assert isinstance(p.message, str) and p.message, p
         return None
-    assert isinstance(result, manifest.Manifest)
+    assert isinstance(result, Manifest)
     assert result.file == file
     return result
 

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from patchkit import fingerprint, manifest, requirements
-from patchkit.check import run_check
+from patchkit import fingerprint, manifest
 from patchkit.errors import ManifestError
-from patchkit.retarget import retarget_text
-from patchkit.semdiff import diff_manifests, render
-from patchkit.static import open_tree
+from patchkit.review import requirements
+from patchkit.review.check import run_check
+from patchkit.review.diff import diff_manifests, render
+from patchkit.review.retarget import retarget_text
+from patchkit.review.static import open_tree
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))

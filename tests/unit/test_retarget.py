@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from patchkit import fingerprint, manifest
-from patchkit.check import run_check
 from patchkit.cli import main
-from patchkit.retarget import normalize_commit, retarget_text, run_retarget, tree_commit
-from patchkit.semdiff import diff_manifests
-from patchkit.static import open_tree
+from patchkit.review.check import run_check
+from patchkit.review.diff import diff_manifests
+from patchkit.review.retarget import normalize_commit, retarget_text, run_retarget, tree_commit
+from patchkit.review.static import open_tree
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -28,9 +28,10 @@ from typing import Any
 import pytest
 
 import patchkit
-from patchkit import engine, imports, manifest, rebind
+from patchkit import manifest
 from patchkit.errors import ManifestError
-from patchkit.planning import Runtime
+from patchkit.plan import Runtime
+from patchkit.runtime import engine, imports, rebind
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -74,7 +75,7 @@ MANIFEST = HEAD + """patches:
 CHILD = r"""
 import json, sys, time
 import patchkit
-from patchkit.planning import Runtime
+from patchkit.plan import Runtime
 t0 = time.perf_counter()
 status = patchkit.activate("trust", sys.argv[1], Runtime("0.32.0", None, _platform="cpu"))
 import tvictim.core
@@ -214,7 +215,7 @@ def test_a_cache_directory_that_is_not_ours_alone_is_not_used(world: dict[str, A
 def test_a_root_owned_cache_is_not_trusted_by_another_user(world: dict[str, Any], tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Owner must be the effective uid, not "or root": files root wrote are misses for anyone else."""
-    from patchkit import cache as patchkit_cache
+    from patchkit.runtime import cache as patchkit_cache
 
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
@@ -240,7 +241,7 @@ def test_the_cache_holds_json_data_only(world: dict[str, Any]) -> None:
 
 
 def test_a_relative_xdg_cache_home_is_ignored(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from patchkit.cache import cache_dir
+    from patchkit.runtime.cache import cache_dir
 
     monkeypatch.delenv("PATCHKIT_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")

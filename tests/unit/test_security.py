@@ -24,9 +24,9 @@ import pytest
 import afd_patches
 import patchkit
 from patchkit import manifest
-from patchkit.cache import cache_dir
 from patchkit.errors import ManifestError
-from patchkit.planning import Runtime
+from patchkit.plan import Runtime
+from patchkit.runtime.cache import cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SENTINEL = "pksentinel"
@@ -139,7 +139,7 @@ def test_no_environment_variable_moves_the_afd_manifest_folder(monkeypatch: pyte
 DOCUMENTED = {"PATCHKIT_CACHE_DIR", "PATCHKIT_REPORT_DIR", "PATCHKIT_DISABLE", "PATCHKIT_PROCESS_ROLE",
               "XDG_CACHE_HOME"}  # XDG_CACHE_HOME: the documented fallback of PATCHKIT_CACHE_DIR
 # The one read of a name that is not a literal: the `when.env` guard reads the variables the manifest names.
-DYNAMIC_READS = {("planning.py", "runtime_verdict")}
+DYNAMIC_READS = {("plan.py", "runtime_verdict")}
 
 
 def _environment_reads() -> tuple[set[str], set[tuple[str, str]], list[str]]:

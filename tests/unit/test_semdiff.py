@@ -20,7 +20,7 @@ import pytest
 
 from patchkit import manifest
 from patchkit.cli import main
-from patchkit.semdiff import diff_manifests, render, run_diff, run_git_driver
+from patchkit.review.diff import diff_manifests, render, run_diff, run_git_driver
 
 REPO = Path(__file__).resolve().parents[2]
 FP1 = "ast1:1111111111111111:2222222222222222"

@@ -1,4 +1,4 @@
-"""patchkit.static and ``patchkit check``: a vLLM tree read without importing it.
+"""patchkit.review.static and ``patchkit check``: a vLLM tree read without importing it.
 
 Most tests build two small synthetic ``vllm`` trees in ``tmp_path`` — ``base`` (what a
 manifest was written against) and ``new`` (a later release) — so every verdict, alias
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from patchkit import fingerprint
-from patchkit.check import run_check
 from patchkit.cli import main
-from patchkit.static import Resolver, TreeError, open_tree
-from patchkit.static.sites import imports_from_ast, imports_from_text
+from patchkit.review.check import run_check
+from patchkit.review.static import Resolver, TreeError, open_tree
+from patchkit.review.static.sites import imports_from_ast, imports_from_text
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -602,7 +602,7 @@ def test_text_import_scan_agrees_with_the_ast_on_real_files() -> None:
 def test_static_fingerprint_equals_runtime_fingerprint(target: str) -> None:
     import importlib
 
-    from patchkit.targets import Slot, unwrap_descriptor
+    from patchkit.runtime.targets import Slot, unwrap_descriptor
 
     module = importlib.import_module(target.partition(":")[0])
     live, _ = unwrap_descriptor(Slot.resolve(target, module).get_raw())

@@ -25,7 +25,7 @@ import pytest
 
 import patchkit
 from patchkit import cli
-from patchkit.planning import Runtime
+from patchkit.plan import Runtime
 
 SPAWNED, FORKED, THREADS, ROUNDS = 16, 16, 8, 3
 DEADLINE_S = 90.0
@@ -97,7 +97,7 @@ TREE = {
 
         def activate_rounds(manifest_dir, rounds):
             import patchkit
-            from patchkit.planning import Runtime
+            from patchkit.plan import Runtime
 
             return [patchkit.activate("storm", manifest_dir, Runtime("0.32.0", None, _platform="cpu"))
                     for _ in range(rounds)]

@@ -3,7 +3,7 @@
 patchkit only reports; the plugin decides what a drifted requirement means for it
 (afd refuses to start AFD, a run without AFD is untouched). ``verdicts(manifest)``
 judges each requirement against the source of the vLLM this process imports, with
-the static model of ``patchkit.static`` — the same resolver, fingerprints and pin
+the static model of ``patchkit.review.static`` — the same resolver, fingerprints and pin
 rules as ``patchkit check``, so the two never disagree — and without importing a
 single target module: a requirement on a GPU worker is judged on a CPU machine
 too, and no vLLM module runs code because it was checked.
@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from patchkit.planning import Manifest
+from patchkit.plan import Manifest
 
 FAILING = ("drifted: signature", "drifted: body", "moved", "missing")
 
@@ -63,12 +63,12 @@ class Verdict:
 
 def verdicts(manifest: Manifest, source: str = "installed") -> list[Verdict]:
     """Judge every requirement of ``manifest`` against ``source`` (``installed``, a folder or a wheel)."""
-    from patchkit.static import Resolver, TreeError, analyze, open_tree
+    from patchkit.review.static import Resolver, TreeError, analyze, open_tree
 
     if not manifest.requires:
         return []
     collecting = gc.isenabled()
-    gc.disable()  # parsing builds large acyclic trees (see patchkit.check)
+    gc.disable()  # parsing builds large acyclic trees (see patchkit.review.check)
     try:
         try:
             resolver = Resolver(open_tree(source))
@@ -97,11 +97,11 @@ def of_status(status: Any) -> list[Verdict]:
     run = status.run
     if run is None:
         return []
-    manifest: Manifest = run.manifest
-    key = (status.plugin, manifest.digest)
+    planned: Manifest = run.manifest
+    key = (status.plugin, planned.digest)
     with _lock:
         if key not in _cache:
-            _cache[key] = verdicts(manifest)
+            _cache[key] = verdicts(_with_requirements(planned))
             _log(status.plugin, _cache[key])
         return _cache[key]
 
@@ -114,3 +114,25 @@ def _log(plugin: str, results: list[Verdict]) -> None:
         if v.verdict != "ok":
             level = logging.ERROR if v.fails else logging.WARNING
             log.log(level, "patchkit: %s: requirement %s", plugin, v.describe())
+
+
+def _with_requirements(planned: Manifest) -> Manifest:
+    """The selected manifest as loaded from its file (a cached plan carries no ``requires``).
+
+    A file edited since the plan was made is still judged, with a warning: its requirements are the
+    ones a restarted process would apply."""
+    import logging
+
+    from patchkit import manifest
+    from patchkit.errors import ManifestError
+
+    log = logging.getLogger("patchkit")
+    try:
+        loaded = manifest.load(planned.file)
+    except (ManifestError, OSError) as exc:
+        log.error("patchkit: requirements of %s cannot be judged: %s", planned.file, exc)
+        return planned
+    if loaded.digest != planned.digest:
+        log.warning("patchkit: %s changed since this process planned from it; judging its current requirements",
+                    planned.file)
+    return loaded

@@ -11,7 +11,7 @@ shows as a change of every entry that inherits it. What is compared:
   ``op``, ``with``, ``value``, ``when``, ``after``, ``fingerprint`` (with
   whether the signature or only the body hash moved), ``rebind``, ``on_drift``,
   ``required``, ``why``, ``upstream``, ``retire_when``;
-- ``order``: the applied order (``patchkit.selection.order``) of the entries
+- ``order``: the applied order (``patchkit.manifest.select.order``) of the entries
   both manifests have, when their relative order differs;
 - ``requires``: requirements added / removed (by target), and per kept
   target ``pin``, ``fingerprint``, ``on_drift``, ``indirect``, ``why``;
@@ -41,8 +41,8 @@ from typing import Any
 
 from patchkit import fingerprint, manifest
 from patchkit.errors import ManifestError
-from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
-from patchkit.selection import order
+from patchkit.manifest.select import order
+from patchkit.plan import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
 
 FORMATS = ("text", "markdown", "json")
 _ENTRY_FIELDS = ("target", "op", "with", "value", "when", "after", "fingerprint", "rebind", "on_drift",

@@ -3,19 +3,19 @@
 ``add_commands(subparsers)`` registers:
 
 - ``check MANIFEST --vllm SRC [--base SRC] [--format text|markdown|json]`` —
-  see ``patchkit.check``. SRC is ``installed``, a folder or a ``.whl``. Exit 0
+  see ``patchkit.review.check``. SRC is ``installed``, a folder or a ``.whl``. Exit 0
   nothing would fail, 1 a required entry would fail, 2 bad input.
 - ``retarget MANIFEST --vllm SRC --out NEW [--version SPEC] [--commit SHA]
-  [--reviewed FILE]`` — see ``patchkit.retarget``. Exit 0 nothing needs a
+  [--reviewed FILE]`` — see ``patchkit.review.retarget``. Exit 0 nothing needs a
   human, 1 entries flagged for review (NEW is written), 2 bad input.
 - ``diff OLD NEW [--format text|markdown|json]``, ``diff FILE --git REV`` and
   ``diff --git-driver ARGS…`` (git's seven diff-driver arguments; also
-  recognised when exactly seven paths are given) — see ``patchkit.semdiff``.
+  recognised when exactly seven paths are given) — see ``patchkit.review.diff``.
   Exit 0 equal, 1 different, 2 bad input; the driver form always exits 0.
 - ``deps MANIFEST [--vllm SRC] [--src DIR] [--format text|json] [--suggest]`` —
-  see ``patchkit.deps``. Exit 0 every used vLLM symbol declared and every
+  see ``patchkit.review.deps``. Exit 0 every used vLLM symbol declared and every
   requirement used, 1 a gap, 2 bad input.
-- ``docs [--check] [--out PATH]`` — see ``patchkit.docsgen``. Exit 0 written /
+- ``docs [--check] [--out PATH]`` — see ``patchkit.review.docs``. Exit 0 written /
   current, 1 stale (``--check``), 2 bad input.
 
 Results go to stdout; bad-input messages (exit 2) to stderr. No bad input
@@ -39,7 +39,7 @@ def _emit(code: int, output: str, error_codes: tuple[int, ...] = (2,)) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Run ``patchkit check`` and print its output (stderr for exit 2)."""
-    from patchkit.check import run_check
+    from patchkit.review.check import run_check
 
     code, output = run_check(args.manifest, args.vllm, args.base, args.format)
     return _emit(code, output)
@@ -47,7 +47,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_retarget(args: argparse.Namespace) -> int:
     """Run ``patchkit retarget``: write the new manifest, print what needs a human."""
-    from patchkit.retarget import run_retarget
+    from patchkit.review.retarget import run_retarget
 
     code, output = run_retarget(args.manifest, args.vllm, args.out, args.version, args.commit, args.reviewed)
     return _emit(code, output)
@@ -55,7 +55,7 @@ def cmd_retarget(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """Run ``patchkit diff`` in its file, ``--git REV`` or git-driver form."""
-    from patchkit.semdiff import run_diff, run_git_driver
+    from patchkit.review.diff import run_diff, run_git_driver
 
     paths: list[str] = args.paths
     if args.git_driver or (len(paths) == 7 and args.git is None):
@@ -74,7 +74,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_docs(args: argparse.Namespace) -> int:
     """Run ``patchkit docs``: write docs/patches.md, or with ``--check`` say whether it is current."""
-    from patchkit.docsgen import run_docs
+    from patchkit.review.docs import run_docs
 
     code, output = run_docs(Path(args.out), args.check)
     return _emit(code, output, (1, 2))
@@ -82,7 +82,7 @@ def cmd_docs(args: argparse.Namespace) -> int:
 
 def cmd_deps(args: argparse.Namespace) -> int:
     """Run ``patchkit deps``: the plugin's vLLM symbols against the manifest's ``requires:``."""
-    from patchkit.deps import run_deps
+    from patchkit.review.deps import run_deps
 
     code, output = run_deps(args.manifest, args.vllm, args.src, args.format, args.suggest)
     return _emit(code, output)

@@ -10,8 +10,8 @@ Verdicts:
   ending in it) exist elsewhere: ``candidates`` lists them;
 - ``missing`` — neither.
 
-The alias-site and override lists follow ``patchkit.rebind`` and
-``patchkit.targets``: only module-level targets have from-import aliases that
+The alias-site and override lists follow ``patchkit.runtime.rebind`` and
+``patchkit.runtime.targets``: only module-level targets have from-import aliases that
 rebinding can reach; only methods have overriding subclasses that a patch of the
 base class never reaches.
 """
@@ -21,10 +21,11 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from patchkit import fingerprint, rebind
-from patchkit.planning import Entry
-from patchkit.static.resolve import Definition, Override, Resolution, Resolver
-from patchkit.static.sites import AliasSite, alias_sites
+from patchkit import fingerprint
+from patchkit.plan import Entry
+from patchkit.review.static.resolve import Definition, Override, Resolution, Resolver
+from patchkit.review.static.sites import AliasSite, alias_sites
+from patchkit.runtime import rebind
 
 _REBINDING_OPS = ("replace", "wrap", "workers")
 

@@ -4,10 +4,10 @@ Selection: among the valid manifests of a plugin, an exact commit match wins,
 then the first (by file name) whose ``vllm.version`` specifier holds, then a
 ``fallback: true`` manifest. Order: topological over ``after``, file order as
 the tie-break. Static guards (vLLM version, commit, Python) are decided here
-once and stored in the compiled plan; ``patchkit.planning.runtime_verdict``
-decides the guards that can differ between processes.
+once (``patchkit.plan.static_verdict``) and stored in the compiled plan;
+``patchkit.plan.runtime_verdict`` decides the guards that can differ between processes.
 
-Kept apart from ``patchkit.planning`` so that the plugin hook, which reads a
+Kept apart from ``patchkit.plan`` so that the plugin hook, which reads a
 cached plan in every vLLM process, loads none of this (nor ``packaging``).
 """
 
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
 
 from patchkit.errors import ManifestError, UnsupportedRelease
-from patchkit.planning import Compiled, Entry, Manifest, Runtime
+from patchkit.plan import Compiled, Entry, Manifest, Runtime, static_verdict, version_in
 
 
 def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
@@ -45,18 +44,6 @@ def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
     return Compiled(chosen, [e.id for e in ordered], static, supported(manifests), None, digest)
 
 
-def _spec_holds(spec: str, version: str | None) -> bool:
-    if version is None:
-        return False
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version) in SpecifierSet(spec, prereleases=True)
-    except InvalidVersion:
-        return False
-
-
 def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
     """The manifest for ``runtime``; UnsupportedRelease lists the supported releases otherwise."""
     commit = runtime.vllm_commit or ""
@@ -65,7 +52,7 @@ def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
         if m.vllm_commit and commit and (commit.startswith(m.vllm_commit) or m.vllm_commit.startswith(commit)):
             return m
     for m in pinned:
-        if _spec_holds(m.vllm_version, runtime.vllm_version):
+        if version_in(m.vllm_version, runtime.vllm_version):
             return m
     for m in manifests:
         if m.fallback:
@@ -94,14 +81,3 @@ def order(entries: tuple[Entry, ...]) -> list[Entry]:
         else:  # unreachable for validated manifests (cycles are rejected there)
             raise ValueError("order cycle among: " + ", ".join(e.id for e in remaining))
     return result
-
-
-def static_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
-    """None when every static guard holds, else the reason the first one fails."""
-    if "vllm" in when and not _spec_holds(when["vllm"], runtime.vllm_version):
-        return f"vllm {runtime.vllm_version} not in {when['vllm']}"
-    if "commit" in when and not any((runtime.vllm_commit or "").startswith(c) for c in when["commit"]):
-        return f"vllm commit {runtime.vllm_commit or 'unknown'} not in {when['commit']}"
-    if "python" in when and not _spec_holds(when["python"], runtime.python):
-        return f"python {runtime.python} not in {when['python']}"
-    return None

@@ -9,20 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from importlib.metadata import entry_points
 from pathlib import Path
 
 from patchkit.errors import ManifestError, PatchkitError
-
-ENTRY_POINT_GROUP = "patchkit.manifests"
-
-
-def registered_manifest_dirs() -> dict[str, Path]:
-    """Plugin name → manifest folder, from the ``patchkit.manifests`` entry points."""
-    dirs = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        dirs[ep.name] = Path(ep.load()())
-    return dirs
 
 
 def _manifest_paths(paths: list[str]) -> list[Path]:
@@ -36,7 +25,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from patchkit import manifest
 
     paths = _manifest_paths(args.paths) if args.paths else [
-        p for d in registered_manifest_dirs().values() for p in sorted(d.glob("*.yaml"))]
+        p for d in manifest.registered_manifest_dirs().values() for p in sorted(d.glob("*.yaml"))]
     if not paths:
         print("patchkit validate: no manifest files given or registered", file=sys.stderr)
         return 2
@@ -54,13 +43,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from patchkit import fingerprint
-    from patchkit.cache import manifest_files
-    from patchkit.planning import Runtime, runtime_verdict
-    from patchkit.selection import compile_plan
-    from patchkit.targets import Slot, TargetMissing, unwrap_descriptor
+    from patchkit import fingerprint, manifest
+    from patchkit.manifest.select import compile_plan
+    from patchkit.plan import Runtime, runtime_verdict
+    from patchkit.runtime.cache import manifest_files
+    from patchkit.runtime.targets import Slot, TargetMissing, unwrap_descriptor
 
-    dirs = {args.plugin or "manifest": Path(args.manifests)} if args.manifests else registered_manifest_dirs()
+    dirs = {args.plugin or "manifest": Path(args.manifests)} if args.manifests else manifest.registered_manifest_dirs()
     if args.plugin and not args.manifests:
         dirs = {k: v for k, v in dirs.items() if k == args.plugin}
     if not dirs:
@@ -96,7 +85,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from patchkit import report
+    from patchkit.runtime import report
 
     directory = Path(args.dir)
     if not directory.is_dir():
@@ -109,7 +98,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
     from patchkit import fingerprint
-    from patchkit.targets import Slot, TargetMissing, unwrap_descriptor
+    from patchkit.runtime.targets import Slot, TargetMissing, unwrap_descriptor
 
     status = 0
     for target in args.targets:
@@ -141,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="check that every process in DIR applied the same plan")
     p.add_argument("dir")
     p.set_defaults(func=cmd_report)
-    from patchkit.cli_review import add_commands
+    from patchkit.cli.review import add_commands
     add_commands(sub)
     return parser
 
@@ -160,6 +149,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"patchkit: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Name resolution over a ``SourceTree``: targets, re-exports, class hierarchies.
 
 ``Resolver`` answers "what does ``module:qualname`` name in this tree?" the way
-the import system and ``patchkit.targets.Slot`` would at run time, but from the
+the import system and ``patchkit.runtime.targets.Slot`` would at run time, but from the
 syntax trees alone:
 
 - module-level names come from ``def``/``class``/assignments and from imports,
@@ -32,7 +32,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from patchkit.static.tree import SourceTree
+from patchkit.review.static.tree import SourceTree
 
 DefNode = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Assign | ast.AnnAssign
 _MAX_DEPTH = 40

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from patchkit.errors import ManifestError
-from patchkit.planning import Entry, Manifest
-from patchkit.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
+from patchkit.plan import Entry, Manifest
+from patchkit.review.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
 
 FORMATS = ("text", "markdown", "json")
 _FAILING = ("drifted: signature", "drifted: body", "moved", "missing")

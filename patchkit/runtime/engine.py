@@ -22,7 +22,7 @@ Guarantees:
   the rebind scope that holds our object, whenever it was bound. An attribute
   that someone else changed after us is left alone and reported.
 
-Wrappers are generated in this process (``compile`` of a two-line function);
+Wrappers are generated in this process (``patchkit.runtime.wrappers``);
 nothing executable is cached.
 
 Limits: an entry is applied once per process; references taken to the original
@@ -31,22 +31,22 @@ before the swap are not reachable (see ``rebind``).
 
 from __future__ import annotations
 
-import builtins
-import functools
 import inspect
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from types import CodeType, FunctionType, ModuleType
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from patchkit import imports
-from patchkit.cache import Fingerprints
 from patchkit.errors import PatchError
-from patchkit.planning import Compiled, Entry, Manifest, Runtime, runtime_verdict
-from patchkit.targets import Slot, TargetMissing, import_ref, unwrap_descriptor
+from patchkit.plan import Compiled, Entry, Manifest, Runtime, runtime_verdict
+from patchkit.runtime import imports
+from patchkit.runtime.cache import Fingerprints
+
+if TYPE_CHECKING:
+    from patchkit.runtime.targets import Slot
 
 logger = logging.getLogger("patchkit")
 
@@ -55,7 +55,7 @@ MODEL_REGISTRY_MODULE = "vllm.model_executor.models.registry"  # where model reg
 _NOT_SET = object()
 
 
-class Record:
+class Outcome:
     """What happened to one entry in this process (``to_json`` goes into reports)."""
 
     __slots__ = ("fingerprint", "id", "installed", "op", "original", "outcome", "reason", "rebound", "seconds",
@@ -94,70 +94,6 @@ class _Skip(Exception):
         self.reason = reason
 
 
-def make_wrapper(factory: Callable[..., Any], original: Callable[..., Any], marker: tuple[str, str]) -> Any:
-    """``patched(...) == factory(original, ...)``, looking like ``original``.
-
-    For a Python function the wrapper is generated with ``original``'s own
-    parameter list (read from its code object; the defaults are ``original``'s
-    own objects), so a call costs what a hand-written closure costs (no
-    ``*args``/``**kwargs`` packing). Any other callable (a builtin, a
-    ``functools.partial``, a callable instance) gets ``*args, **kwargs``.
-    The wrapper carries ``__patchkit__ = marker`` and ``original``'s metadata.
-    """
-    params, forward = _signature_source(original)
-    source = f"def patched({params}):\n    return factory(original{forward})\n"
-    module_code = compile(source, f"<patchkit wrapper {marker[1]}>", "exec")
-    code = next(c for c in module_code.co_consts if isinstance(c, CodeType))
-    own = getattr(original, "__code__", None)
-    same_parameters = isinstance(original, FunctionType) and own is not None and (
-        (code.co_argcount, code.co_kwonlyargcount) == (own.co_argcount, own.co_kwonlyargcount))
-    patched = FunctionType(code, {"__builtins__": builtins, "factory": factory, "original": original},
-                           "patched", original.__defaults__ if same_parameters else None)
-    if same_parameters and original.__kwdefaults__:
-        patched.__kwdefaults__ = dict(original.__kwdefaults__)
-    functools.update_wrapper(patched, original)
-    patched.__patchkit__ = marker
-    return patched
-
-
-_CO_VARARGS, _CO_VARKEYWORDS = 0x04, 0x08  # inspect.CO_VARARGS / CO_VARKEYWORDS
-
-
-def _signature_source(func: Callable[..., Any]) -> tuple[str, str]:
-    """(parameter list, forwarded arguments) for ``func``, without defaults (``new_wrapper``
-    gives the wrapper ``func``'s own default objects)."""
-    generic = ("*args, **kwargs", ", *args, **kwargs")
-    code = getattr(func, "__code__", None)
-    if not isinstance(func, FunctionType) or code is None:
-        return generic
-    npos, nkw = code.co_argcount, code.co_kwonlyargcount
-    names = code.co_varnames
-    star = names[npos + nkw] if code.co_flags & _CO_VARARGS else None
-    starstar = names[npos + nkw + bool(star)] if code.co_flags & _CO_VARKEYWORDS else None
-    every = [*names[: npos + nkw], *(n for n in (star, starstar) if n)]
-    if any(n in ("factory", "original") or not n.isidentifier() for n in every):
-        return generic
-    params: list[str] = []
-    forward: list[str] = []
-    for i, name in enumerate(names[:npos]):
-        params.append(name)
-        forward.append(name)
-        if i + 1 == code.co_posonlyargcount:
-            params.append("/")
-    if star:
-        params.append("*" + star)
-        forward.append("*" + star)
-    elif nkw:
-        params.append("*")
-    for name in names[npos : npos + nkw]:
-        params.append(name)
-        forward.append(f"{name}={name}")
-    if starstar:
-        params.append("**" + starstar)
-        forward.append("**" + starstar)
-    return ", ".join(params), "".join(", " + f for f in forward)
-
-
 class Run:
     """The application of one compiled plan in this process."""
 
@@ -169,12 +105,12 @@ class Run:
         self.manifest: Manifest = compiled.manifest
         self.runtime = runtime
         self.entries = {e.id: e for e in self.manifest.entries}
-        self.records = {i: Record(i, self.entries[i].target, self.entries[i].op) for i in compiled.order}
+        self.records = {i: Outcome(i, self.entries[i].target, self.entries[i].op) for i in compiled.order}
         for m in self.manifest.models:
-            self.records[f"model:{m.arch}"] = Record(f"model:{m.arch}", m.class_ref, "model")
+            self.records[f"model:{m.arch}"] = Outcome(f"model:{m.arch}", m.class_ref, "model")
         self.status = "new"
         self.error: PatchError | None = None
-        self._stack: list[Record] = []
+        self._stack: list[Outcome] = []
         self._ready: set[str] = set()
         self._lock = threading.RLock()
         self._pumping = False
@@ -251,7 +187,7 @@ class Run:
                     return
 
     # -- one entry ----------------------------------------------------------------------------
-    def _apply(self, entry: Entry, record: Record) -> None:
+    def _apply(self, entry: Entry, record: Outcome) -> None:
         started = time.perf_counter()
         self._current = entry.id
         try:
@@ -281,7 +217,9 @@ class Run:
         if entry.on_drift == "skip":
             raise _Skip("skipped", what)
 
-    def _apply_entry(self, entry: Entry, record: Record) -> None:
+    def _apply_entry(self, entry: Entry, record: Outcome) -> None:
+        from patchkit.runtime.targets import Slot, TargetMissing, unwrap_descriptor
+
         marker = (self.plugin, entry.id)
         try:
             slot = Slot.resolve(entry.target)
@@ -311,7 +249,7 @@ class Run:
         self._stack.append(record)  # from here on a rollback restores the slot and every rebound alias
         record.outcome = "applied"
         if not slot.on_class and original is not _NOT_SET and entry.op != "set":
-            from patchkit import rebind
+            from patchkit.runtime import rebind
 
             try:
                 scope = rebind.scope(entry.module, entry.rebind, self.manifest.packages)
@@ -343,11 +281,14 @@ class Run:
         return self._fingerprints.of(func)
 
     def _new_object(self, entry: Entry, func: Any) -> Any:
+        from patchkit.runtime.targets import import_ref
+        from patchkit.runtime.wrappers import make_wrapper
+
         marker = (self.plugin, entry.id)
         if entry.op == "set" and entry.has_value:
             return entry.value
         if entry.op == "workers":
-            from patchkit import vllm_adapter
+            from patchkit.runtime import vllm as vllm_adapter
 
             try:
                 factory = vllm_adapter.worker_wrapper(entry.workers or {}, self.runtime)
@@ -370,7 +311,7 @@ class Run:
         return next(m for m in self.manifest.models if m.arch == arch)
 
     def _register_models(self, module: ModuleType) -> None:
-        from patchkit import vllm_adapter
+        from patchkit.runtime import vllm as vllm_adapter
 
         with self._lock:
             if self.status != "active":
@@ -417,12 +358,12 @@ class Run:
             if record.outcome == "pending":
                 record.outcome = "cancelled"
 
-    def _alias_scope(self, record: Record) -> tuple[str, ...]:
+    def _alias_scope(self, record: Outcome) -> tuple[str, ...]:
         """Where aliases of a module-level entry's object may be: its rebind scope, and ``auto``'s."""
         entry = self.entries.get(record.id)
         if entry is None or entry.op == "set" or record.slot is None or record.slot.on_class:
             return ()
-        from patchkit import rebind
+        from patchkit.runtime import rebind
 
         packages = self.manifest.packages
         return (*rebind.scope(entry.module, entry.rebind, packages), *rebind.scope(entry.module, "auto", packages))
@@ -455,7 +396,7 @@ def _compare(expected: str, actual: str | None) -> str:
     return fingerprint.compare(expected, actual)
 
 
-def _undo(record: Record, alias_scope: tuple[str, ...]) -> None:
+def _undo(record: Outcome, alias_scope: tuple[str, ...]) -> None:
     """Put ``record``'s original back, and every alias in ``alias_scope`` that holds our object."""
     if record.undo is not None:
         record.undo()
@@ -463,7 +404,7 @@ def _undo(record: Record, alias_scope: tuple[str, ...]) -> None:
     slot = record.slot
     assert slot is not None
     if alias_scope and record.original is not _NOT_SET:
-        from patchkit import rebind
+        from patchkit.runtime import rebind
 
         rebind.restore(record.installed, record.original, (*record.rebound, *alias_scope), slot.owner)
     current = vars(slot.owner).get(slot.name, _NOT_SET) if slot.on_class else getattr(slot.owner, slot.name, _NOT_SET)

@@ -1,9 +1,9 @@
 """The plan's data (entries, models, the compiled plan) and the running vLLM it is judged against.
 
 The data classes are what ``patchkit.manifest`` builds from validated YAML and
-what ``patchkit.cache`` stores as JSON, so the plugin hook in every vLLM process
+what ``patchkit.runtime.cache`` stores as JSON, so the plugin hook in every vLLM process
 needs this module but not the YAML and JSON Schema machinery, nor
-``patchkit.selection`` (choosing and ordering, done when the cache misses).
+``patchkit.manifest.select`` (choosing and ordering, done when the cache misses).
 Guards that can differ between processes of one installation (platform,
 environment) are decided here by ``runtime_verdict``; feature probes
 (``has_attr``, ``has_param``) need the target in hand and are decided when the
@@ -17,9 +17,53 @@ import platform as _platform_module
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from patchkit.records import Record
-
 WORKERS_ENTRY_ID = "workers"
+
+
+class Record:
+    """An immutable record with named fields, for the data the plugin hook reads in every process.
+
+    ``dataclasses`` would generate these methods with ``exec`` when each class is
+    defined, a cost every vLLM process pays; this base needs none. Subclasses list
+    their fields, in order, in ``_fields`` (and ``__slots__ = _fields``), and their
+    defaults in ``_defaults``. Records off the hook's path are frozen dataclasses."""
+
+    __slots__ = ()
+    _fields: ClassVar[tuple[str, ...]] = ()
+    _defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        names = self._fields
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional arguments")
+        values = dict(zip(names, args, strict=False))
+        for key, value in kwargs.items():
+            if key not in names or key in values:
+                raise TypeError(f"{type(self).__name__}: unexpected or repeated argument {key!r}")
+            values[key] = value
+        for name in names:
+            if name in values:
+                value = values[name]
+            elif name in self._defaults:
+                value = self._defaults[name]
+            else:
+                raise TypeError(f"{type(self).__name__}: missing argument {name!r}")
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _asdict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._fields}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._asdict() == other._asdict()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(tuple(repr(getattr(self, n)) for n in self._fields))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in self._fields)})"
 
 
 class Entry(Record):
@@ -76,6 +120,10 @@ class ModelRegistration(Record):
 
 
 class Manifest(Record):
+    """One validated manifest. ``requires`` (the vLLM symbols the plugin relies on) is judged only by
+    the review tools and ``Status.requirements``, never by the hook, so the plan cache leaves it out:
+    a ``Manifest`` read from the cache has ``requires == ()``; ``patchkit.manifest.load(file)`` has them."""
+
     _fields = ("file", "plugin", "packages", "vllm_version", "vllm_commit", "fallback", "entries", "models",
                "digest", "requires")
     __slots__ = _fields
@@ -92,9 +140,10 @@ class Manifest(Record):
     requires: tuple[Entry, ...]  # op "require", in file order
 
     def to_json(self) -> dict[str, Any]:
+        """The JSON form the plan cache stores: without ``requires`` (see the class docstring)."""
         data = self._asdict()
+        del data["requires"]
         data["entries"] = [e._asdict() for e in self.entries]
-        data["requires"] = [e._asdict() for e in self.requires]
         data["models"] = [m._asdict() for m in self.models]
         return data
 
@@ -109,7 +158,7 @@ class Manifest(Record):
 
         models = tuple(ModelRegistration(**m) for m in data["models"])
         return cls(**{**data, "packages": tuple(data["packages"]), "entries": tuple(map(entry, data["entries"])),
-                      "requires": tuple(map(entry, data.get("requires", ()))), "models": models})
+                      "models": models})
 
 
 class Compiled(Record):
@@ -215,3 +264,26 @@ def runtime_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
             found = "unset" if value is None else "set to another value"
             return f"env {name} is {found}, guard wants {'it unset' if wanted is None else repr(wanted)}"
     return None
+
+
+def static_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
+    """None when every static guard holds, else the reason the first one fails."""
+    if "vllm" in when and not version_in(when["vllm"], runtime.vllm_version):
+        return f"vllm {runtime.vllm_version} not in {when['vllm']}"
+    if "commit" in when and not any((runtime.vllm_commit or "").startswith(c) for c in when["commit"]):
+        return f"vllm commit {runtime.vllm_commit or 'unknown'} not in {when['commit']}"
+    if "python" in when and not version_in(when["python"], runtime.python):
+        return f"python {runtime.python} not in {when['python']}"
+    return None
+
+
+def version_in(spec: str, version: str | None) -> bool:
+    if version is None:
+        return False
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) in SpecifierSet(spec, prereleases=True)
+    except InvalidVersion:
+        return False

@@ -51,11 +51,13 @@ from typing import TYPE_CHECKING, Any
 from patchkit import __version__
 
 if TYPE_CHECKING:
-    from patchkit.planning import Compiled, Runtime
+    from collections.abc import Callable
+
+    from patchkit.plan import Compiled, Runtime
 
 MAX_BYTES = 1 << 20  # a compiled plan is a few KB; anything near this is not ours
 
-_PACKAGE_DIR = os.path.dirname(__file__)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__))  # patchkit/
 _SUPPORTED = hasattr(os, "O_NOFOLLOW") and os.open in os.supports_dir_fd and hasattr(os, "geteuid")
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -205,7 +207,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
 
 # -- what the cache holds --------------------------------------------------------------------------
 
-FORMAT = "patchkit-plan-4"
+FORMAT = "patchkit-plan-5"
 _FINGERPRINTS = "fingerprints.json"
 _HEX = frozenset("0123456789abcdef")
 
@@ -227,8 +229,12 @@ def _load_json(name: str) -> Any:
         return None
 
 
-def compiled(directory: str, runtime: Runtime, plugin_version: str = "") -> Compiled:
-    """``selection.compile_plan`` for the manifests in ``directory``, read from the cache when it fits."""
+def compiled(directory: str, runtime: Runtime, plugin_version: str,
+             compile_plan: Callable[[list[str], Runtime], Compiled]) -> Compiled:
+    """``compile_plan(files, runtime)`` for the manifests in ``directory``, read from the cache when it fits.
+
+    The caller passes ``compile_plan`` (``patchkit.manifest.select.compile_plan``) so that the runtime
+    layer never imports the manifest layer; it runs only on a miss."""
     files = manifest_files(directory)
     digests = {p: _sha256_file(p) for p in files}
     h = hashlib.sha256(f"{FORMAT}|{__version__}|{plugin_version}".encode())
@@ -239,8 +245,6 @@ def compiled(directory: str, runtime: Runtime, plugin_version: str = "") -> Comp
     cached = _plan_from_json(_load_json(name), digests)
     if cached is not None:
         return cached
-    from patchkit.selection import compile_plan  # YAML, JSON Schema, selection: only on a miss
-
     result = compile_plan(files, runtime)
     write_private(name, json.dumps({"format": FORMAT, "plan": result.to_json()}).encode())
     return result
@@ -248,7 +252,7 @@ def compiled(directory: str, runtime: Runtime, plugin_version: str = "") -> Comp
 
 def _plan_from_json(data: Any, digests: dict[str, str]) -> Compiled | None:
     """The cached plan if it has the right shape and agrees with the files on disk, else None."""
-    from patchkit.planning import Compiled
+    from patchkit.plan import Compiled
 
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return None

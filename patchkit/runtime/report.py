@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from patchkit.cache import write_atomic
+from patchkit.runtime.cache import write_atomic
 
 
 def process_role() -> str:

@@ -13,7 +13,7 @@ What changes, and what does not:
 - Requirements (``requires:``) are decided like entries, by their ``pin``; one
   whose verdict is ``ok`` while a part its pin ignores changed (the body of a
   ``signature`` pin) is re-pinned to the fingerprint found.
-- Each entry is checked in the new tree with ``patchkit.check.check_entries``
+- Each entry is checked in the new tree with ``patchkit.review.check.check_entries``
   (the same verdicts as ``patchkit check``). An entry whose target is unchanged
   (verdict ``ok``: the fingerprint matches) is kept as it is. An entry that is
   ``drifted: signature``, ``drifted: body``, ``moved`` or ``missing`` keeps its
@@ -64,10 +64,10 @@ from typing import Any
 import yaml
 
 from patchkit import manifest as manifest_mod
-from patchkit.check import EntryCheck, check_entries
 from patchkit.errors import ManifestError, PatchkitError
-from patchkit.planning import WORKERS_ENTRY_ID, Manifest, normalize_commit
-from patchkit.static import SourceTree, TreeError, open_tree
+from patchkit.plan import WORKERS_ENTRY_ID, Manifest, normalize_commit
+from patchkit.review.check import EntryCheck, check_entries
+from patchkit.review.static import SourceTree, TreeError, open_tree
 
 REVIEW_MARK = "# REVIEW:"
 REVIEWED_MARK = "# reviewed:"

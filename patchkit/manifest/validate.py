@@ -11,7 +11,7 @@ A file that fails any check yields a ``ManifestError`` listing every problem; no
 object is imported while reading, so a bad manifest patches nothing.
 
 This module imports ``yaml`` and ``jsonschema``; the runtime hot path avoids it
-by reading a compiled plan from ``patchkit.cache``.
+by reading a compiled plan from ``patchkit.runtime.cache``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import pathlib
 from functools import cache
 from typing import Any
 
-from patchkit.cache import schema_path
-from patchkit.errors import FieldPath, ManifestError, Problem, field_name
-from patchkit.planning import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
+from patchkit.errors import ManifestError
+from patchkit.manifest.problems import FieldPath, Problem, field_name
+from patchkit.plan import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
+from patchkit.runtime.cache import schema_path
 
 MAX_FILE_BYTES = 256 * 1024
 
@@ -274,7 +275,7 @@ def parse(text: str | bytes, file: str) -> Manifest:
     """Validate one manifest's text completely; raise ManifestError listing every problem."""
     import hashlib
 
-    from patchkit import yamlsrc
+    from patchkit.manifest import source as yamlsrc
 
     # surrogatepass: a str holding lone surrogates becomes bytes that fail UTF-8 decoding in
     # yamlsrc (a ManifestError naming the line), not a UnicodeEncodeError here.
@@ -332,3 +333,13 @@ def load(path: str | pathlib.Path) -> Manifest:
     except OSError as exc:
         raise ManifestError([Problem(str(path), 1, "", f"cannot read: {exc.strerror}")]) from None
     return parse(raw, str(path))
+
+
+ENTRY_POINT_GROUP = "patchkit.manifests"
+
+
+def registered_manifest_dirs() -> dict[str, pathlib.Path]:
+    """Plugin name → manifest folder, from the installed ``patchkit.manifests`` entry points."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: pathlib.Path(ep.load()()) for ep in entry_points(group=ENTRY_POINT_GROUP)}

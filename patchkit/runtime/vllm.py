@@ -18,8 +18,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from patchkit.planning import Runtime, runtime_verdict
-from patchkit.targets import import_ref
+from patchkit.plan import Runtime, runtime_verdict, static_verdict
+from patchkit.runtime.targets import import_ref
 
 logger = logging.getLogger("patchkit")
 
@@ -49,8 +49,6 @@ def worker_wrapper(spec: dict[str, Any], runtime: Runtime) -> Callable[..., Any]
     overrides = spec["overrides"]
 
     def choose(role: str) -> str:
-        from patchkit.selection import static_verdict  # at config time, not in the hook
-
         for o in overrides:
             when = o.get("when", {})
             if o["role"] == role and not (static_verdict(when, runtime) or runtime_verdict(when, runtime)):

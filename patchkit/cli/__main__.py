@@ -1,0 +1,7 @@
+"""``python -m patchkit.cli``: the ``patchkit`` command."""
+
+import sys
+
+from patchkit.cli import main
+
+sys.exit(main())

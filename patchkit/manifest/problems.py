@@ -1,0 +1,28 @@
+"""Findings in a manifest file, and the field paths that locate them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FieldPath = tuple[str | int, ...]
+
+
+def field_name(path: FieldPath) -> str:
+    """``("patches", 2, "op")`` → ``patches[2].op``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One finding in one manifest file; prints as ``file:line: field: message``."""
+
+    file: str
+    line: int
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.field or '<document>'}: {self.message}"

@@ -1,0 +1,106 @@
+"""patchkit's layers: imports go one way and never in a circle.
+
+Layers, lowest first: the shared basics (``errors``, ``plan``, ``fingerprint``),
+``runtime`` (runs in every vLLM process), ``manifest`` (YAML, validation,
+selection), ``review`` (reads a vLLM tree without importing it), and on top the
+CLI and the package root (the public API). A module may import its own
+layer or a lower one. Every import counts, also one inside a function or under
+``TYPE_CHECKING``: a lazy import is still a dependency. The one exception is the
+root's ``__version__`` (metadata, not code).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "patchkit"
+BASICS = {"patchkit.errors", "patchkit.plan", "patchkit.fingerprint"}
+LAYERS = ["basics", "runtime", "manifest", "review", "top"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int:
+    if module in BASICS:
+        return 0
+    second = module.split(".")[1] if "." in module else ""
+    return LAYERS.index(second) if second in LAYERS[1:4] else LAYERS.index("top")
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The patchkit modules ``path`` imports anywhere in its source."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("patchkit"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("patchkit"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if sub in known:
+                    out.add(sub)
+                elif not (node.module == "patchkit" and alias.name == "__version__"):
+                    out.add(node.module)  # type: ignore[arg-type]
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports_of(path, set(found)) - {name} for name, path in found.items()}
+
+
+def test_every_import_goes_to_the_same_or_a_lower_layer():
+    upward = [f"{mod} ({LAYERS[layer(mod)]}) imports {dep} ({LAYERS[layer(dep)]})"
+              for mod, deps in graph().items() for dep in sorted(deps) if layer(dep) > layer(mod)]
+    assert not upward, "\n".join(upward)
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(g.get(node, ())):
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep):], dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(g):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(graph())
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("g, expected", [
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+    ({"a": {"b"}, "b": set()}, None),
+])
+def test_the_cycle_finder_finds_cycles(g, expected):
+    assert find_cycle(g) == expected
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    bad = tmp_path / "m.py"
+    bad.write_text("def f():\n    from patchkit.cli import main\n")
+    deps = imports_of(bad, set(modules()))
+    assert deps == {"patchkit.cli"} and layer("patchkit.cli") > layer("patchkit.runtime.engine")
