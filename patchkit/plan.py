@@ -264,26 +264,3 @@ def runtime_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
             found = "unset" if value is None else "set to another value"
             return f"env {name} is {found}, guard wants {'it unset' if wanted is None else repr(wanted)}"
     return None
-
-
-def static_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
-    """None when every static guard holds, else the reason the first one fails."""
-    if "vllm" in when and not version_in(when["vllm"], runtime.vllm_version):
-        return f"vllm {runtime.vllm_version} not in {when['vllm']}"
-    if "commit" in when and not any((runtime.vllm_commit or "").startswith(c) for c in when["commit"]):
-        return f"vllm commit {runtime.vllm_commit or 'unknown'} not in {when['commit']}"
-    if "python" in when and not version_in(when["python"], runtime.python):
-        return f"python {runtime.python} not in {when['python']}"
-    return None
-
-
-def version_in(spec: str, version: str | None) -> bool:
-    if version is None:
-        return False
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version) in SpecifierSet(spec, prereleases=True)
-    except InvalidVersion:
-        return False

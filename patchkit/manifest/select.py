@@ -4,7 +4,7 @@ Selection: among the valid manifests of a plugin, an exact commit match wins,
 then the first (by file name) whose ``vllm.version`` specifier holds, then a
 ``fallback: true`` manifest. Order: topological over ``after``, file order as
 the tie-break. Static guards (vLLM version, commit, Python) are decided here
-once (``patchkit.plan.static_verdict``) and stored in the compiled plan;
+once (``static_verdict``) and stored in the compiled plan, the worker overrides' too;
 ``patchkit.plan.runtime_verdict`` decides the guards that can differ between processes.
 
 Kept apart from ``patchkit.plan`` so that the plugin hook, which reads a
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from patchkit.errors import ManifestError, UnsupportedRelease
-from patchkit.plan import Compiled, Entry, Manifest, Runtime, static_verdict, version_in
+from patchkit.plan import Compiled, Entry, Manifest, Runtime
 
 
 def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
@@ -40,6 +41,10 @@ def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
     ordered = order(chosen.entries)
     static = {e.id: static_verdict(e.when, runtime) for e in ordered}
     static.update({f"model:{m.arch}": static_verdict(m.when, runtime) for m in chosen.models})
+    for e in ordered:
+        if e.workers:
+            static.update({f"{e.id}:{i}": static_verdict(o.get("when", {}), runtime)
+                           for i, o in enumerate(e.workers["overrides"])})
     digest = hashlib.sha256(f"{chosen.digest}|{[e.id for e in ordered]}".encode()).hexdigest()[:16]
     return Compiled(chosen, [e.id for e in ordered], static, supported(manifests), None, digest)
 
@@ -81,3 +86,26 @@ def order(entries: tuple[Entry, ...]) -> list[Entry]:
         else:  # unreachable for validated manifests (cycles are rejected there)
             raise ValueError("order cycle among: " + ", ".join(e.id for e in remaining))
     return result
+
+
+def static_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
+    """None when every static guard holds, else the reason the first one fails."""
+    if "vllm" in when and not version_in(when["vllm"], runtime.vllm_version):
+        return f"vllm {runtime.vllm_version} not in {when['vllm']}"
+    if "commit" in when and not any((runtime.vllm_commit or "").startswith(c) for c in when["commit"]):
+        return f"vllm commit {runtime.vllm_commit or 'unknown'} not in {when['commit']}"
+    if "python" in when and not version_in(when["python"], runtime.python):
+        return f"python {runtime.python} not in {when['python']}"
+    return None
+
+
+def version_in(spec: str, version: str | None) -> bool:
+    if version is None:
+        return False
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) in SpecifierSet(spec, prereleases=True)
+    except InvalidVersion:
+        return False

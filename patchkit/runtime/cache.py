@@ -188,26 +188,9 @@ def write_private(name: str, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` (mode 0600) via a temp file + rename; OSError is ignored.
-
-    For files a user asked for in a folder they chose (``PATCHKIT_REPORT_DIR``): no ownership rules."""
-    import tempfile
-
-    folder = os.path.dirname(path) or "."
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 # -- what the cache holds --------------------------------------------------------------------------
 
-FORMAT = "patchkit-plan-5"
+FORMAT = "patchkit-plan-6"
 _FINGERPRINTS = "fingerprints.json"
 _HEX = frozenset("0123456789abcdef")
 

@@ -291,7 +291,9 @@ class Run:
             from patchkit.runtime import vllm as vllm_adapter
 
             try:
-                factory = vllm_adapter.worker_wrapper(entry.workers or {}, self.runtime)
+                spec = entry.workers or {}
+                static = [self.compiled.static.get(f"{entry.id}:{i}") for i in range(len(spec["overrides"]))]
+                factory = vllm_adapter.worker_wrapper(spec, self.runtime, static)
             except Exception as exc:  # noqa: BLE001 - reported as this entry's failure
                 raise _EntryFailed(f"cannot build worker override: {exc!r}") from None
             return make_wrapper(factory, func, marker)

@@ -18,8 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from patchkit.runtime.cache import write_atomic
-
 
 def process_role() -> str:
     """``PATCHKIT_PROCESS_ROLE``, else vLLM's process title (``VLLM::Worker`` → ``Worker``), else ``main``."""
@@ -75,3 +73,20 @@ def check(directory: Path) -> tuple[bool, list[str]]:
         lines.append(f"FAILED: {len(failed)} process(es) did not apply their plan")
     lines.append(f"{'OK' if ok else 'NOT OK'}: {len(reports)} process(es), plan {'/'.join(sorted(map(str, digests)))}")
     return ok, lines
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` (mode 0600) via a temp file + rename; OSError is ignored.
+
+    For files a user asked for in a folder they chose (``PATCHKIT_REPORT_DIR``): no ownership rules."""
+    import tempfile
+
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass

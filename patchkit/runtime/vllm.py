@@ -18,7 +18,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from patchkit.plan import Runtime, runtime_verdict, static_verdict
+from patchkit.plan import Runtime, runtime_verdict
 from patchkit.runtime.targets import import_ref
 
 logger = logging.getLogger("patchkit")
@@ -43,15 +43,17 @@ def dotted(ref: str) -> str:
     return ref.replace(":", ".")
 
 
-def worker_wrapper(spec: dict[str, Any], runtime: Runtime) -> Callable[..., Any]:
-    """Wrapper for ``EngineArgs.create_engine_config`` that applies the role → worker table."""
+def worker_wrapper(spec: dict[str, Any], runtime: Runtime, static: list[str | None]) -> Callable[..., Any]:
+    """Wrapper for ``EngineArgs.create_engine_config`` that applies the role → worker table.
+
+    ``static[i]``: why override ``i``'s static guards (vLLM, commit, Python) fail, or None; decided
+    when the plan was compiled. Its platform/env guards are decided here, at config time."""
     role_of = import_ref(spec["role_of"])
     overrides = spec["overrides"]
 
     def choose(role: str) -> str:
-        for o in overrides:
-            when = o.get("when", {})
-            if o["role"] == role and not (static_verdict(when, runtime) or runtime_verdict(when, runtime)):
+        for o, static_reason in zip(overrides, static, strict=True):
+            if o["role"] == role and not (static_reason or runtime_verdict(o.get("when", {}), runtime)):
                 return dotted(o["class"])
         raise ValueError(f"no worker class for role {role!r} on platform {runtime.platform!r}")
 

@@ -104,3 +104,41 @@ def test_an_upward_import_is_caught(tmp_path):
     bad.write_text("def f():\n    from patchkit.cli import main\n")
     deps = imports_of(bad, set(modules()))
     assert deps == {"patchkit.cli"} and layer("patchkit.cli") > layer("patchkit.runtime.engine")
+
+
+WARM_PATH = {"patchkit", "patchkit.errors", "patchkit.plan", "patchkit.runtime", "patchkit.runtime.cache",
+             "patchkit.runtime.imports", "patchkit.runtime.engine"}
+PROBE = """
+import json, sys
+import patchkit
+from patchkit.plan import Runtime
+before = set(sys.modules)
+status = patchkit.activate("lazy", sys.argv[1], Runtime("0.32.0", None, _platform="cpu"))
+assert status.active, status.problem
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_the_hook_loads_only_the_warm_path(tmp_path):
+    """With a warm plan cache and every target still unimported, activate() loads the warm path and
+    nothing else: no manifest/review/cli layer, no YAML, JSON Schema or packaging."""
+    import os
+    import subprocess
+    import sys
+
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    (manifests / "m.yaml").write_text(
+        'format: 1\nplugin: lazy\npackages: [lazyplug]\nvllm: {version: "==0.32.0"}\npatches:\n'
+        '  - {id: w, target: "lazyvictim.core:f", op: wrap, with: "lazyplug.p:w", why: t}\n')
+    env = {**os.environ, "PATCHKIT_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(PACKAGE.parent)}
+    env.pop("PATCHKIT_DISABLE", None)
+    cold = subprocess.run([sys.executable, "-c", PROBE, str(manifests)], capture_output=True, text=True, env=env)
+    assert cold.returncode == 0, cold.stderr
+    assert "patchkit.manifest.validate" in cold.stdout  # the first process compiles the plan
+    warm = subprocess.run([sys.executable, "-c", PROBE, str(manifests)], capture_output=True, text=True, env=env)
+    assert warm.returncode == 0, warm.stderr
+    loaded = set(__import__("json").loads(warm.stdout))
+    patchkit_modules = {m for m in loaded if m.startswith("patchkit")}
+    assert patchkit_modules == WARM_PATH - {"patchkit", "patchkit.errors", "patchkit.plan"}
+    assert not loaded & {"yaml", "jsonschema", "packaging", "packaging.specifiers"}, loaded
