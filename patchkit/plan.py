@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 WORKERS_ENTRY_ID = "workers"
+MISSING = object()  # the one sentinel: "no such attribute / nothing was there"
 
 
 class Record:

@@ -41,7 +41,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from patchkit.errors import PatchError
-from patchkit.plan import Compiled, Entry, Manifest, Runtime, runtime_verdict
+from patchkit.plan import MISSING, Compiled, Entry, Manifest, Runtime, runtime_verdict
 from patchkit.runtime import imports
 from patchkit.runtime.cache import Fingerprints
 
@@ -51,8 +51,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("patchkit")
 
 MODEL_REGISTRY_MODULE = "vllm.model_executor.models.registry"  # where model registrations wait
-
-_NOT_SET = object()
 
 
 class Outcome:
@@ -72,8 +70,8 @@ class Outcome:
         self.rebound: list[str] = []
         self.unreachable: list[str] = []
         self.slot: Slot | None = None
-        self.original: Any = _NOT_SET
-        self.installed: Any = _NOT_SET
+        self.original: Any = MISSING
+        self.installed: Any = MISSING
         self.undo: Callable[[], None] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -223,7 +221,7 @@ class Run:
         marker = (self.plugin, entry.id)
         try:
             slot = Slot.resolve(entry.target)
-            original = slot.get_raw() if (entry.op != "set" or slot.exists()) else _NOT_SET
+            original = slot.get_raw() if (entry.op != "set" or slot.exists()) else MISSING
         except TargetMissing as exc:
             self._drift(entry, f"target {entry.target} is missing: {exc}")
             raise _Skip("skipped", f"target missing: {exc}") from None
@@ -231,7 +229,7 @@ class Run:
         if getattr(func, "__patchkit__", None) == marker or _LIVE.get(marker) is original:
             raise _Skip("already-applied", "")
         self._probe(entry, slot, func)
-        if entry.fingerprint and original is not _NOT_SET:
+        if entry.fingerprint and original is not MISSING:
             actual = self._fingerprint_of(func)
             verdict = "match" if actual == entry.fingerprint else _compare(entry.fingerprint, actual)
             record.fingerprint = verdict
@@ -248,7 +246,7 @@ class Run:
         _LIVE[marker] = new
         self._stack.append(record)  # from here on a rollback restores the slot and every rebound alias
         record.outcome = "applied"
-        if not slot.on_class and original is not _NOT_SET and entry.op != "set":
+        if not slot.on_class and original is not MISSING and entry.op != "set":
             from patchkit.runtime import rebind
 
             try:
@@ -264,8 +262,8 @@ class Run:
         for qualname in entry.when.get("has_attr", []):
             obj: Any = module
             for part in qualname.split("."):
-                obj = getattr(obj, part, _NOT_SET)
-                if obj is _NOT_SET:
+                obj = getattr(obj, part, MISSING)
+                if obj is MISSING:
                     raise _Skip("guarded-out", f"probe has_attr {qualname}: absent")
         wanted = entry.when.get("has_param", [])
         if wanted:
@@ -405,15 +403,15 @@ def _undo(record: Outcome, alias_scope: tuple[str, ...]) -> None:
         return
     slot = record.slot
     assert slot is not None
-    if alias_scope and record.original is not _NOT_SET:
+    if alias_scope and record.original is not MISSING:
         from patchkit.runtime import rebind
 
         rebind.restore(record.installed, record.original, (*record.rebound, *alias_scope), slot.owner)
-    current = vars(slot.owner).get(slot.name, _NOT_SET) if slot.on_class else getattr(slot.owner, slot.name, _NOT_SET)
+    current = vars(slot.owner).get(slot.name, MISSING) if slot.on_class else getattr(slot.owner, slot.name, MISSING)
     if current is not record.installed:
         logger.warning("patchkit: %s was changed after %s patched it; left as it is", record.target, record.id)
         return
-    if record.original is _NOT_SET:
+    if record.original is MISSING:
         slot.delete()
     else:
         slot.set_raw(record.original)

@@ -19,7 +19,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-_MISSING = object()
+from patchkit.plan import MISSING
 
 
 class TargetMissing(LookupError):
@@ -55,8 +55,8 @@ class Slot:
         owner: Any = module
         *path, name = qualname.split(".")
         for part in path:
-            owner = getattr(owner, part, _MISSING)
-            if owner is _MISSING:
+            owner = getattr(owner, part, MISSING)
+            if owner is MISSING:
                 raise TargetMissing(f"{module_name} has no {part!r} (looking for {qualname})")
         return cls(owner, name, target)
 
@@ -76,8 +76,8 @@ class Slot:
                 inherited = " (inherited, not defined on the class itself)" if hasattr(self.owner, self.name) else ""
                 raise TargetMissing(f"{self.owner.__qualname__} has no attribute {self.name!r}{inherited}")
             return vars(self.owner)[self.name]
-        value = getattr(self.owner, self.name, _MISSING)
-        if value is _MISSING:
+        value = getattr(self.owner, self.name, MISSING)
+        if value is MISSING:
             raise TargetMissing(f"{self.owner.__name__} has no attribute {self.name!r}")
         return value
 

@@ -38,7 +38,7 @@ def register_model(registry_module: ModuleType, arch: str, class_ref: str) -> Ca
     return undo
 
 
-def dotted(ref: str) -> str:
+def worker_cls_name(ref: str) -> str:
     """``pkg.mod:Cls`` → ``pkg.mod.Cls`` (the form vLLM's ``worker_cls`` takes)."""
     return ref.replace(":", ".")
 
@@ -54,7 +54,7 @@ def worker_wrapper(spec: dict[str, Any], runtime: Runtime, static: list[str | No
     def choose(role: str) -> str:
         for o, static_reason in zip(overrides, static, strict=True):
             if o["role"] == role and not (static_reason or runtime_verdict(o.get("when", {}), runtime)):
-                return dotted(o["class"])
+                return worker_cls_name(o["class"])
         raise ValueError(f"no worker class for role {role!r} on platform {runtime.platform!r}")
 
     def create_engine_config(original: Callable[..., Any], engine_args: Any, *args: Any, **kwargs: Any) -> Any:
