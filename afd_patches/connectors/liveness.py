@@ -12,8 +12,10 @@ How
     every ``interval_s`` (``timeout_s / 4``, between ``MIN_INTERVAL_S`` and
     ``MAX_INTERVAL_S``) and reads its peers' counters. A peer whose counter did
     not move for ``timeout_s`` is reported lost (``on_lost(peer, why)``), once.
-    A store that stops answering (FFN rank 0, which hosts it, died or froze:
-    every store operation is bounded by ``timeout_s``) reports every peer lost.
+    A store that stops answering (every store operation is bounded by
+    ``timeout_s``) means its host, FFN rank 0, died or froze: that rank is
+    reported lost if it is watched, and the watch ends (other peers can no
+    longer be watched; they are not reported, since they may well be alive).
     A rank that leaves cleanly adds ``CLOSED`` to its counter (``stop(clean=True)``);
     a peer seen past that mark is forgotten, not reported.
 
@@ -56,17 +58,19 @@ class Heartbeat:
     """Beat for ``me`` and watch ``peers`` in ``store`` (any object with torch's ``Store.add``).
 
     ``on_lost(peer, why)`` runs on the heartbeat thread, at most once per peer;
-    it must not block. ``store_name`` names the store in messages.
+    it must not block. ``store_name`` names the store in messages, ``store_rank``
+    is the rank whose process hosts it.
     """
 
     def __init__(self, store: Any, me: int, peers: list[int], timeout_s: float,
-                 on_lost: Callable[[int, str], None], store_name: str) -> None:
+                 on_lost: Callable[[int, str], None], store_name: str, store_rank: int) -> None:
         self.store = store
         self.me = me
         self.timeout_s = timeout_s
         self.interval_s = interval_for(timeout_s)
         self.on_lost = on_lost
         self.store_name = store_name
+        self.store_rank = store_rank
         self._watched = {peer: (-1, time.monotonic()) for peer in peers}  # peer → (last count, when it moved)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"afd-heartbeat-{me}", daemon=True)
@@ -79,7 +83,7 @@ class Heartbeat:
         """Stop beating; with ``clean`` mark this rank as gone on purpose (peers then forget it)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self.timeout_s + self.interval_s)
+            self._thread.join(self.interval_s)  # a thread still in a store request ends on its own (daemon)
         if clean:
             try:
                 self.store.add(key(self.me), CLOSED)
@@ -102,8 +106,12 @@ class Heartbeat:
                 if self._stop.is_set():
                     return
                 text = str(e).splitlines()[0] if str(e) else type(e).__name__
-                for peer in list(self._watched):
-                    self._lose(peer, f"the group's store at {self.store_name} stopped answering ({text})")
+                why = f"the group's store at {self.store_name} stopped answering ({text})"
+                if self.store_rank in self._watched:
+                    self._lose(self.store_rank, why)
+                elif self._watched and self.store_rank != self.me:
+                    logger.warning("AFD heartbeat of global rank %d: %s; its peers are no longer watched",
+                                   self.me, why)
                 return
 
     def _check(self) -> None:

@@ -397,7 +397,7 @@ class TorchDistConnector(Connector):
                 raise ConnectorError(f"AFD {self._me()}: cannot reach the group's store at {self.address} for "
                                      f"the heartbeat ({e})") from e
         beat = liveness.Heartbeat(store, self.global_rank, list(self.peers), self.timeout_s, self._on_lost,
-                                  f"{self.address} (hosted by ffn rank 0)")
+                                  f"{self.address} (hosted by ffn rank 0)", store_rank=0)
         beat.start()
         self._heartbeat = beat
 
@@ -460,7 +460,8 @@ class TorchDistConnector(Connector):
             pg, self._pg = self._pg, None
         if pg is None:
             return
-        clean = self._broken is None and not self._lost
+        ended_cleanly = self._broken is None or set(self.peers) <= self._closed_peers  # no error, or CLOSE
+        clean = ended_cleanly and not self._lost
         offered = False
         if clean and (self.backend == "gloo" or not self._busy):
             clean = offered = self._offer_close(pg)  # gloo takes this next to a blocked wait; NCCL only alone
