@@ -101,7 +101,9 @@ Threads
     after ``CLOSE`` was offered; NCCL: the polling wait sees the cancel and
     returns, and only then ``close()`` uses the communicator), waits at most
     ``CLOSE_WAIT_S`` for it to leave, and then aborts the group when anything
-    failed (``abort()`` where torch has it) or shuts it down when all went well.
+    failed or, on NCCL, a wait was interrupted (its receive stays queued, and
+    shutting down would wait for it; ``abort()`` where torch has it), else
+    shuts it down.
     The interrupted call raises ``ConnectorClosed``.
 
 Limits
@@ -462,6 +464,7 @@ class TorchDistConnector(Connector):
             return
         ended_cleanly = self._broken is None or set(self.peers) <= self._closed_peers  # no error, or CLOSE
         clean = ended_cleanly and not self._lost
+        interrupted = bool(self._busy)  # on NCCL an abandoned receive stays queued: abort, never shut down
         offered = False
         if clean and (self.backend == "gloo" or not self._busy):
             clean = offered = self._offer_close(pg)  # gloo takes this next to a blocked wait; NCCL only alone
@@ -478,7 +481,7 @@ class TorchDistConnector(Connector):
             self._heartbeat.stop(clean=clean)
             self._heartbeat = None
         self._store = None
-        _end_group(pg, abort=not clean and self.backend != "gloo")
+        _end_group(pg, abort=self.backend != "gloo" and (interrupted or not clean))
 
     def _offer_close(self, pg: Any) -> bool:
         """Send ``CLOSE`` to every open peer and wait up to ``CLOSE_WAIT_S``; True when every send completed."""

@@ -298,15 +298,17 @@ def check_same_gpu(opts: dict[str, Any]) -> None:
     ok = bool(res and "both use GPU" in res.get("message", "") and ffn and "both use GPU" in ffn.get("message", ""))
     report("same_gpu_refused", ok, attention=res, ffn=ffn)
     pair = Pair({**nccl, "force_distinct": True})
-    first = pair.wait_any(["attention", "size"], 120)
+    first = pair.wait_any(["attention", "size"], 60)
     res = first[1] if first else None
     ffn = pair.wait_for("ffn", 10)
+    exit_codes = {"ffn": pair.ffn.exitcode, "attention": pair.attn.exitcode}  # None: still running
     pair.end()
     message = (res or {}).get("message", "") + (ffn or {}).get("message", "")
     formed = bool(first and first[0] == "size")
     ok = formed or ("NCCL reported an error" in message)
-    report("nccl_same_gpu_forced", ok, group_formed=formed, attention=res, ffn=ffn,
-           note="NCCL accepted two ranks on one GPU" if formed else "NCCL refused, reported as an NCCL error")
+    report("nccl_same_gpu_forced", ok, group_formed=formed, attention=res, ffn=ffn, exit_codes=exit_codes,
+           note="NCCL accepted two ranks on one GPU" if formed else "NCCL refused; see the messages (or the "
+                "exit codes, if NCCL's watchdog ended a process first)")
 
 
 def check_exchange(opts: dict[str, Any]) -> None:

@@ -248,3 +248,44 @@ def test_cuda_ffn_worker_builds_no_kv_cache_in_either_model_runner() -> None:
     worker.initialize_from_config(SimpleNamespace(num_blocks=0, kv_cache_groups=[]))
     assert worker.cache_config.num_gpu_blocks == 0
     assert worker.compile_or_warm_up_model().language_model == 0.0
+
+
+class _Group:
+    """A process-group stand-in: sends complete at once; records how the group was ended."""
+
+    def __init__(self) -> None:
+        self.ended: list[str] = []
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> _Work:
+        return _Work(0)
+
+    def abort(self) -> None:
+        self.ended.append("abort")
+
+    def shutdown(self) -> None:
+        self.ended.append("shutdown")
+
+
+def test_nccl_close_from_another_thread_interrupts_the_wait_and_aborts() -> None:
+    """shutdown() while the serve thread waits on NCCL: the wait ends with ConnectorClosed, close() then
+    offers CLOSE alone and aborts the group (its abandoned receive stays queued; a shutdown would wait)."""
+    conn = TorchDistConnector(_config("ffn", _port()))
+    group = _Group()
+    conn._pg = group
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            conn._wait(_Work(60), 1, "next attention output (header)", 60)
+        except ConnectorError as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    conn.close()
+    waiter.join(5)
+    assert time.monotonic() - t0 < 1.0 and not waiter.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], ConnectorClosed), errors
+    assert group.ended == ["abort"]
