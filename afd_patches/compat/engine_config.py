@@ -7,10 +7,13 @@ dataclass, JSON Schema) is loaded only when an engine asks for AFD.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from afd_patches import CONFIG_KEY
+
+_EAGER_LOGGED: list[bool] = []  # the "enforce_eager forced" line is logged once per process
 
 
 class AfdUnavailable(RuntimeError):
@@ -61,4 +64,18 @@ def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: A
         engine_args.additional_config = {**additional, CONFIG_KEY: cfg.to_dict()}
         if cfg.role == "ffn":
             engine_args.enable_prefix_caching = False  # the FFN role has no KV cache to share
+        _force_eager(engine_args, cfg.role)
     return original(engine_args, *args, **kwargs)
+
+
+def _force_eager(engine_args: Any, role: str) -> None:
+    """AFD runs both roles with ``enforce_eager=True``: the per-layer exchange is a Python call with host
+    synchronisation, which torch.compile would trace into and CUDA-graph capture cannot contain."""
+    if getattr(engine_args, "enforce_eager", False):
+        return
+    engine_args.enforce_eager = True
+    if not _EAGER_LOGGED:
+        _EAGER_LOGGED.append(True)
+        logging.getLogger("afd").warning(
+            "AFD: enforce_eager=True forced for the %s role (no torch.compile or CUDA graphs across the "
+            "per-layer exchange)", role)

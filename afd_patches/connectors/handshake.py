@@ -28,6 +28,11 @@ Rules
     side has is not compared. A difference between authenticated peers fails
     the group on both sides with ``ConnectorMismatch`` naming every differing
     field and both values (a configuration mistake of the operator).
+    ``device`` says where a rank's tensors live (``host/GPU-<uuid>``, or ``""``
+    for host memory) and is not compared for equality: when ``fields
+    ["backend"]`` is ``nccl``, two ranks naming the same device fail the group
+    with ``ConnectorMismatch`` saying how to fix it (NCCL refuses two ranks of
+    one communicator on one GPU, and would say so only at the first exchange).
 
 Hostile input never ends the group
     The host serves each accepted connection on its own thread
@@ -90,13 +95,14 @@ class Hello:
     role: str
     rank: int
     fields: dict[str, Any] = field(default_factory=dict)
+    device: str = ""
 
     @property
     def who(self) -> str:
         return f"{self.role} rank {self.rank}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"role": self.role, "rank": self.rank, "fields": self.fields}
+        return {"role": self.role, "rank": self.rank, "fields": self.fields, "device": self.device}
 
 
 def model_fields(identity: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -112,6 +118,15 @@ def differences(a: Hello, b: Hello) -> str:
         if a.fields[name] != b.fields[name]
     ]
     return "; ".join(parts)
+
+
+def device_clash(a: Hello, b: Hello) -> str:
+    """``""`` unless ``a`` and ``b`` would be two ranks of one NCCL group on one GPU; else what to do about it."""
+    if not a.device or a.device != b.device or "nccl" not in (a.fields.get("backend"), b.fields.get("backend")):
+        return ""
+    return (f"{a.who} and {b.who} both use GPU {a.device}, and NCCL cannot put two ranks of one group on one "
+            "GPU; give each engine its own GPU (CUDA_VISIBLE_DEVICES per engine, or connector_extra_config "
+            "device), or set connector_extra_config backend: gloo on a single-GPU test box")
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -163,10 +178,12 @@ def _hex(obj: dict[str, Any], key: str, size: int) -> bytes:
 
 def _parse_hello(obj: dict[str, Any]) -> Hello:
     """``ValueError`` unless ``obj`` carries a well-formed role, rank and fields."""
-    role, rank, fields = obj.get("role"), obj.get("rank"), obj.get("fields")
+    role, rank, fields, device = obj.get("role"), obj.get("rank"), obj.get("fields"), obj.get("device", "")
     if not isinstance(role, str) or isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(fields, dict):
         raise ValueError("malformed role/rank/fields")
-    return Hello(role, rank, fields)
+    if not isinstance(device, str):
+        raise ValueError("malformed device")
+    return Hello(role, rank, fields, device)
 
 
 def _send_quietly(conn: socket.socket, data: bytes) -> None:
@@ -394,6 +411,10 @@ def collect(listener: socket.socket, own: Hello, expected: set[tuple[str, int]],
                 gate.note(current.peer, why)
                 refuse([current.conn], "mismatch", f"AFD handshake at {address} failed: {why}")
             else:
+                for other in [own, *(j.hello for j in waiting.values())]:
+                    clash = device_clash(other, current.hello)
+                    if clash:
+                        raise ConnectorMismatch(f"AFD handshake at {address} failed: {clash}")
                 waiting[key] = current
             current = None
     except ConnectorError as e:
@@ -497,6 +518,9 @@ def join(host: str, port: int, own: Hello, deadline: float, timeout_s: float, to
         if diff:
             raise ConnectorMismatch(f"AFD handshake at {address} failed: {own.who} and {host_hello.who} disagree "
                                     f"on {diff}")
+        clash = device_clash(own, host_hello)
+        if clash:
+            raise ConnectorMismatch(f"AFD handshake at {address} failed: {clash}")
         try:
             verdict = lines.read_object(deadline)
         except TimeoutError:

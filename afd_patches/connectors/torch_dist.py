@@ -15,12 +15,20 @@ Handshake
     ``inline_bytes`` and the creator's model identity (``model.*``). A
     difference raises ``ConnectorMismatch`` on both sides, naming the field and
     both values, so ranks that disagree on the world size never reach torch's
-    rendezvous. FFN rank 0 then hands its listening socket to the group's
+    rendezvous. Each hello also says where the rank's tensors live (host and
+    GPU UUID, see ``device_identity``): with NCCL, two ranks on one GPU are
+    refused here with a message saying what to do, instead of NCCL's
+    "Duplicate GPU detected" at the first exchange. FFN rank 0 then hands its
+    listening socket to the group's
     ``TCPStore`` (``multi_tenant``, so vLLM's helper reuses that server). A
     port already taken by another program fails FFN rank 0 at once
     (``ConnectorError`` naming ``host:port``, "in use"); a joining rank that
     reaches another program fails within ``timeout_s`` naming ``host:port``
     instead of waiting in a ``TCPStore`` client, which would never return.
+    Once the group formed, every FFN rank sends each attention rank it serves
+    one small warm-up message (tag ``TAG_WARMUP``), so NCCL builds its
+    point-to-point communicators inside ``init()`` (bounded by ``timeout_s``)
+    rather than lazily in the first forward.
 
 Backend
     ``connector_extra_config["backend"]`` if given, else ``"nccl"`` when CUDA
@@ -56,28 +64,62 @@ Timeouts and failures
     the first header of the *next* step uses ``connector_extra_config
     ["idle_timeout_s"]``, by default a week: an idle engine (a server between
     requests) does not step at all, and on gloo a timed-out wait cannot be
-    resumed, so a short bound there would break an idle server. A peer process
-    that dies while idle is still noticed at once (its socket closes). A wait that runs out raises
-    ``ConnectorTimeout`` naming the peer, the group's ``host:port`` and the
-    layer/step. A peer process that dies is usually noticed sooner: its socket
-    closes and the wait raises ``ConnectorError`` at once. On gloo a timed-out
-    wait closes the connection to that peer for good, so any failure marks the
-    connector broken: later calls raise ``ConnectorError`` and only ``close()``
-    is useful. ``init()`` fails within about ``timeout_s`` (naming host and
-    port) when the group cannot be formed.
+    resumed, so a short bound there would break an idle server. A wait that
+    runs out raises ``ConnectorTimeout`` naming the peer, the group's
+    ``host:port`` and the layer/step.
+
+    Dead peers are noticed within about ``timeout_s``, idle or not, on every
+    backend, through a heartbeat in the group's store
+    (``afd_patches.connectors.liveness``): a peer that is silent for
+    ``timeout_s`` is lost (``ConnectorTimeout``), and so is every peer when the
+    store host (FFN rank 0) stops answering. A lost peer interrupts a wait in
+    progress (on gloo by closing the connection to that peer; NCCL waits poll).
+    On gloo a peer process that dies is also noticed at once, because its socket
+    closes (``ConnectorError``); NCCL gives no such signal, so there the
+    heartbeat is the only one. Any failure marks the connector broken: later
+    calls raise ``ConnectorError`` and only ``close()`` is useful. ``init()``
+    fails within about ``timeout_s`` (naming host and port) when the group
+    cannot be formed. Errors that NCCL raises are reported as NCCL errors (with
+    NCCL's text), not as a lost peer.
+
+NCCL
+    The group's timeout (``ProcessGroupNCCL.Options._timeout``, after which
+    torch's watchdog aborts the process when an operation is still queued) is
+    ``max(idle_timeout_s, timeout_s)`` (``group_timeout``): the FFN's posted
+    receive for the next step is such an operation for as long as the engine is
+    idle. Waits on NCCL do not block in torch: they poll ``is_completed()`` with
+    a short backoff (``POLL_MIN_S`` … ``POLL_MAX_S``, ``POLL_IDLE_S`` after a
+    second) and check the deadline, ``close()`` and the heartbeat between polls,
+    so a header is read only once it arrived. The NCCL paths are written
+    against torch's and NCCL's documented behaviour and exercised by
+    ``scripts/gpu_check``; the CPU test suite runs them only with stand-ins.
+
+Threads
+    One thread drives the exchange (the methods are not thread-safe among
+    themselves). ``close()`` may come from any thread, also while that thread
+    waits: it cancels the wait (gloo: the connection to each peer is closed
+    after ``CLOSE`` was offered; NCCL: the polling wait sees the cancel and
+    returns, and only then ``close()`` uses the communicator), waits at most
+    ``CLOSE_WAIT_S`` for it to leave, and then aborts the group when anything
+    failed or, on NCCL, a wait was interrupted (its receive stays queued, and
+    shutting down would wait for it; ``abort()`` where torch has it), else
+    shuts it down.
+    The interrupted call raises ``ConnectorClosed``.
 
 Limits
     Sends are asynchronous: a tensor handed to ``send_attn_output`` must not be
     modified before the matching ``recv_ffn_output`` returns, and one handed to
     ``send_ffn_output`` not before the next ``recv_attn_output`` (or
     ``close()``) returns. One exchange is in flight per connector: the
-    attention side alternates send/recv, the FFN side recv/send. Not
-    thread-safe.
+    attention side alternates send/recv, the FFN side recv/send. Every header
+    costs a host synchronisation (it is read with ``tolist()``), once per layer
+    and direction.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import socket
 import threading
 import time
@@ -87,7 +129,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from afd_patches import topology
-from afd_patches.connectors import auth, handshake
+from afd_patches.connectors import auth, handshake, liveness
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout, Meta
 from afd_patches.connectors.metrics import METRICS
 
@@ -95,6 +137,8 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from afd_patches.config import AfdConfig
+
+logger = logging.getLogger("afd")
 
 MAGIC = 0xAFD0_0001
 MAX_NDIM = 8
@@ -105,6 +149,9 @@ KIND_DATA = 1
 KIND_CLOSE = 2
 TAG_HEADER = 1
 TAG_PAYLOAD = 2
+TAG_WARMUP = 3  # init(): one message per FFN/attention pair, so NCCL forms its communicators there
+TAG_BREAK = 4  # never sent: a 1 ms receive on it closes a gloo connection (how a blocked wait is interrupted)
+POLL_MIN_S, POLL_MAX_S, POLL_IDLE_S = 2e-5, 1e-3, 1e-2  # NCCL polling backoff (POLL_IDLE_S after 1 s)
 CLOSE_WAIT_S = 2.0  # how long close() waits for each peer to take its CLOSE header
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # see "Timeouts and failures": idle is not a failure
 MAX_MESSAGE_BYTES = 1 << 30  # bound on one received tensor when the model's identity gives no tighter one
@@ -129,6 +176,18 @@ DTYPE_CODES: dict[str, int] = {
 }
 _CODE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 _ITEMSIZE = {name: getattr(torch, name).itemsize for name in DTYPE_CODES if hasattr(torch, name)}
+
+
+def device_identity(device: torch.device) -> str:
+    """Where tensors on ``device`` live, as two ranks of a group must tell apart: ``"host/GPU-<uuid>"`` for a
+    CUDA device (the UUID does not depend on ``CUDA_VISIBLE_DEVICES``), ``""`` for host memory."""
+    if device.type != "cuda":
+        return ""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    where = f"GPU-{uuid}" if uuid else f"PCI {props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}"
+    return f"{socket.gethostname()}/{where}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -230,6 +289,10 @@ class TorchDistConnector(Connector):
         self._broken: str | None = None
         self._out_device: torch.device = self.device
         self._cancel = threading.Event()
+        self._cond = threading.Condition()  # guards _busy: threads inside a group operation or wait
+        self._busy = 0
+        self._lost: dict[int, tuple[type[ConnectorError], str]] = {}  # peer → (error class, why), from the heartbeat
+        self._heartbeat: liveness.Heartbeat | None = None
         self._sent_at = self._received_at = 0.0  # exchange latency: attention send, FFN inputs complete
         self._want_dtype = self.identity.get("dtype")
         try:
@@ -275,7 +338,7 @@ class TorchDistConnector(Connector):
         kwargs: dict[str, Any] = {}
         # vLLM 0.30's helper takes no timeout (0.32's does); there the group forms under torch's default.
         if "timeout" in inspect.signature(stateless_init_torch_distributed_process_group).parameters:
-            kwargs["timeout"] = timedelta(seconds=remaining)
+            kwargs["timeout"] = self.group_timeout(remaining)
         try:
             self._pg = stateless_init_torch_distributed_process_group(
                 host=self.config.host,
@@ -293,6 +356,62 @@ class TorchDistConnector(Connector):
                 f"AFD connector init failed for {self._me()}: could not form the {self.backend} group of "
                 f"{self.world_size} ranks at {self.address} within {self.timeout_s:g}s ({type(e).__name__}: {text})"
             ) from e
+        try:
+            self._warm_up(deadline)
+            self._start_heartbeat()
+        except BaseException:
+            self.close()
+            raise
+
+    def group_timeout(self, remaining_s: float) -> timedelta:
+        """The timeout the group is created with: what is left of the handshake budget on gloo (every wait
+        passes its own bound); on NCCL, where torch's watchdog aborts the process once any queued operation
+        exceeds it, at least ``max(idle_timeout_s, timeout_s)``, so an idle FFN engine is not killed."""
+        if self.backend == "gloo":
+            return timedelta(seconds=remaining_s)
+        return timedelta(seconds=max(self.idle_timeout_s, self.timeout_s, remaining_s))
+
+    def _warm_up(self, deadline: float) -> None:
+        """One small message per FFN/attention pair inside ``init()`` (NCCL forms its communicators here)."""
+        left = max(deadline - time.monotonic(), 1.0)
+        if self.role == topology.FFN:
+            for peer in self.peers:
+                self._post_send(torch.zeros(1, dtype=torch.int64, device=self.device), peer, TAG_WARMUP, "warm-up")
+            self._pending, pending = [], self._pending
+            for work, _tensor, peer, what in pending:
+                self._wait(work, peer, what, left)
+        else:
+            flag = torch.empty(1, dtype=torch.int64, device=self.device)
+            work = self._post_recv(flag, self.peers[0], TAG_WARMUP, "warm-up")
+            self._wait(work, self.peers[0], "warm-up", left)
+
+    def _start_heartbeat(self) -> None:
+        """Beat in the group's store and watch this rank's peers (see ``afd_patches.connectors.liveness``)."""
+        if self._store is not None:
+            store = self._store
+        else:
+            from torch.distributed import TCPStore
+
+            try:
+                store = TCPStore(self.config.host, self.config.port, None, False,
+                                 timedelta(seconds=self.timeout_s), wait_for_workers=False)
+            except RuntimeError as e:
+                raise ConnectorError(f"AFD {self._me()}: cannot reach the group's store at {self.address} for "
+                                     f"the heartbeat ({e})") from e
+        beat = liveness.Heartbeat(store, self.global_rank, list(self.peers), self.timeout_s, self._on_lost,
+                                  f"{self.address} (hosted by ffn rank 0)", store_rank=0)
+        beat.start()
+        self._heartbeat = beat
+
+    def _on_lost(self, peer: int, why: str) -> None:
+        """Heartbeat thread: ``peer`` is gone. Record it and interrupt a wait in progress."""
+        low = why.lower()
+        cls = ConnectorTimeout if ("no heartbeat" in low or "time" in low) else ConnectorError
+        self._lost[peer] = (cls, why)
+        logger.warning("AFD %s: lost %s: %s", self._me(), self._describe(peer), why)
+        pg = self._pg
+        if pg is not None and self.backend == "gloo":
+            _break_gloo_pair(pg, peer)
 
     def _hello(self) -> handshake.Hello:
         """What this rank tells its peers before the group forms (the fields both sides compare)."""
@@ -303,7 +422,7 @@ class TorchDistConnector(Connector):
             "inline_bytes": self.inline_bytes,
         }
         fields.update(handshake.model_fields(self.identity))
-        return handshake.Hello(self.role, self.config.rank, fields)
+        return handshake.Hello(self.role, self.config.rank, fields, device_identity(self.device))
 
     def _host_handshake(self, deadline: float, wait_s: float) -> None:
         """FFN rank 0: collect every rank's hello, start the group's store on the same socket, say ok."""
@@ -335,41 +454,63 @@ class TorchDistConnector(Connector):
         METRICS.add("handshakes_accepted", len(joiners))
 
     def close(self) -> None:
-        """Cancel a handshake in progress; tell every still-open peer ``CLOSE`` (bounded wait), then shut
-        the group down. Idempotent."""
-        self._cancel.set()
-        pg, self._pg = self._pg, None
+        """Cancel a handshake or a wait in progress (from any thread), offer every still-open peer ``CLOSE``
+        (bounded), then shut the group down, or abort it when anything failed. Idempotent; never hangs
+        (see "Threads")."""
+        with self._cond:
+            self._cancel.set()
+            pg, self._pg = self._pg, None
         if pg is None:
             return
+        ended_cleanly = self._broken is None or set(self.peers) <= self._closed_peers  # no error, or CLOSE
+        clean = ended_cleanly and not self._lost
+        interrupted = bool(self._busy)  # on NCCL an abandoned receive stays queued: abort, never shut down
+        offered = False
+        if clean and (self.backend == "gloo" or not self._busy):
+            clean = offered = self._offer_close(pg)  # gloo takes this next to a blocked wait; NCCL only alone
+        if self._busy and self.backend == "gloo":
+            for peer in self.peers:
+                _break_gloo_pair(pg, peer)
+        with self._cond:
+            left = self._cond.wait_for(lambda: not self._busy, CLOSE_WAIT_S + POLL_IDLE_S)
+        if clean and not offered:
+            clean = left and self._offer_close(pg)
+        self._pending.clear()
+        self._broken = self._broken or "closed"
+        if self._heartbeat is not None:
+            self._heartbeat.stop(clean=clean)
+            self._heartbeat = None
+        self._store = None
+        _end_group(pg, abort=self.backend != "gloo" and (interrupted or not clean))
+
+    def _offer_close(self, pg: Any) -> bool:
+        """Send ``CLOSE`` to every open peer and wait up to ``CLOSE_WAIT_S``; True when every send completed."""
+        wait_s = min(self.timeout_s, CLOSE_WAIT_S)
         try:
-            if self._broken is None:
-                wait_s = min(self.timeout_s, CLOSE_WAIT_S)
-                works = []
-                for peer in self.peers:
-                    if peer in self._closed_peers:
-                        continue
-                    header = encode_header(KIND_CLOSE, -1, -1, None, self.device).view(torch.uint8)
-                    works.append((pg.send([header], peer, TAG_HEADER), header))
-                for work, _ in [*self._pending, *works]:
-                    try:
-                        work.wait(timeout=timedelta(seconds=wait_s))
-                    except RuntimeError:
-                        pass  # the peer is gone or not listening; we are leaving anyway
+            works = []
+            for peer in self.peers:
+                if peer in self._closed_peers:
+                    continue
+                header = encode_header(KIND_CLOSE, -1, -1, None, self.device).view(torch.uint8)
+                works.append((pg.send([header], peer, TAG_HEADER), header))
+            for work, _ in [*((w, t) for w, t, _, _ in self._pending), *works]:
+                if self.backend == "gloo":
+                    work.wait(timeout=timedelta(seconds=wait_s))
+                elif not _poll(work, time.monotonic() + wait_s, lambda: False):
+                    return False
         except RuntimeError:
-            pass
-        finally:
-            self._pending.clear()
-            self._broken = self._broken or "closed"
-            self._store = None
-            try:
-                pg.shutdown()
-            except RuntimeError:
-                pass
+            return False  # the peer is gone or not listening; we are leaving anyway
+        return True
 
     # ------------------------------------------------------------ plumbing
     def _check(self, role: str) -> None:
         if self.role != role:
             raise ConnectorError(f"{self._me()} cannot call a {role}-side method")
+        if self._cancel.is_set():
+            raise ConnectorClosed(f"AFD connector of {self._me()} was closed by this side")
+        lost = next((p for p in self.peers if p in self._lost), None)
+        if lost is not None and self._broken is None:
+            raise self._fail(RuntimeError("lost"), lost, "the next exchange", self.timeout_s)
         if self._broken is not None:
             raise ConnectorError(f"AFD connector of {self._me()} is unusable: {self._broken}")
         if self._pg is None:
@@ -378,7 +519,24 @@ class TorchDistConnector(Connector):
     def _fail(self, err: Exception, peer: int, what: str, timeout_s: float) -> ConnectorError:
         """Mark broken and translate a backend error into a connector error."""
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
-        low = text.lower()
+        low = str(err).lower()
+        if self._cancel.is_set():
+            self._broken = self._broken or "closed"
+            return ConnectorClosed(f"AFD {self._me()}: closed by this side while waiting for {what} from/to "
+                                   f"{self._describe(peer)}")
+        if peer in self._lost:
+            cls, why = self._lost[peer]
+            self._broken = f"lost {self._describe(peer)}"
+            return cls(f"AFD {self._me()}: lost {self._describe(peer)} during {what}: {why}")
+        if "nccl" in low:
+            self._broken = f"NCCL error with {self._describe(peer)}"
+            hint = ""
+            if "duplicate gpu" in low:
+                hint = ("; two ranks of the group share one GPU: give each engine its own GPU "
+                        "(CUDA_VISIBLE_DEVICES per engine), or use backend: gloo on a single-GPU test box")
+            return ConnectorError(f"AFD {self._me()}: NCCL reported an error during {what} with "
+                                  f"{self._describe(peer)} (an NCCL failure, not a lost connection){hint} "
+                                  f"({type(err).__name__}: {text})")
         if "timed out" in low or ("timeout" in low and "pair closure" not in low):
             self._broken = f"timed out waiting for {what} from/to {self._describe(peer)}"
             return ConnectorTimeout(
@@ -396,24 +554,58 @@ class TorchDistConnector(Connector):
             f"exited ({type(err).__name__}: {text})"
         )
 
+    def _enter(self) -> Any:
+        """Count this thread as inside the group (``close()`` waits for it); the group, or ``ConnectorClosed``."""
+        with self._cond:
+            if self._cancel.is_set() or self._pg is None:
+                raise ConnectorClosed(f"AFD connector of {self._me()} was closed by this side")
+            self._busy += 1
+            return self._pg
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify_all()
+
     def _post_send(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
+        pg = self._enter()
         try:
-            work = self._pg.send([tensor], peer, tag)
+            work = pg.send([tensor], peer, tag)
         except RuntimeError as e:
             raise self._fail(e, peer, what, self.timeout_s) from e
+        finally:
+            self._leave()
         self._pending.append((work, tensor, peer, what))
 
     def _post_recv(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        pg = self._enter()
         try:
-            return self._pg.recv([tensor], peer, tag)
+            return pg.recv([tensor], peer, tag)
         except RuntimeError as e:
             raise self._fail(e, peer, what, self.timeout_s) from e
+        finally:
+            self._leave()
 
     def _wait(self, work: Any, peer: int, what: str, timeout_s: float) -> None:
+        """Wait for ``work`` at most ``timeout_s``: blocking on gloo, polling elsewhere (see "NCCL")."""
+        self._enter()
         try:
-            work.wait(timeout=timedelta(seconds=timeout_s))
+            if self.backend == "gloo":
+                work.wait(timeout=timedelta(seconds=timeout_s))
+            elif not _poll(work, time.monotonic() + timeout_s,
+                           lambda: self._cancel.is_set() or peer in self._lost):
+                if self._cancel.is_set() or peer in self._lost:
+                    raise RuntimeError("wait interrupted")
+                raise RuntimeError(f"timed out after {timeout_s:g}s")
         except RuntimeError as e:
             raise self._fail(e, peer, what, timeout_s) from e
+        finally:
+            self._leave()
+
+    def _peer_closed(self, peer: int) -> None:
+        self._closed_peers.add(peer)
+        if self._heartbeat is not None:
+            self._heartbeat.forget(peer)
 
     def _drain_sends(self) -> None:
         pending, self._pending = self._pending, []
@@ -523,7 +715,7 @@ class TorchDistConnector(Connector):
         self._wait(work, peer, what, self.timeout_s)
         header = decode_header(message)
         if header.kind == KIND_CLOSE:
-            self._closed_peers.add(peer)
+            self._peer_closed(peer)
             self._broken = f"{self._describe(peer)} closed"
             raise ConnectorClosed(f"AFD {self._me()}: {self._describe(peer)} closed while {what} was awaited")
         self._drain_sends()  # the FFN answered, so our sends were taken; this returns at once
@@ -565,7 +757,7 @@ class TorchDistConnector(Connector):
                            self.timeout_s)
                 header = decode_header(message)
                 if header.kind == KIND_CLOSE:
-                    self._closed_peers.add(peer)
+                    self._peer_closed(peer)
                 else:
                     decoded.append((peer, message, header))
             if decoded:
@@ -612,3 +804,43 @@ class TorchDistConnector(Connector):
                 self._send_tensor(self._wire(tensor), peer, meta.layer, meta.step)
         METRICS.add("exchanges")
         METRICS.observe(time.perf_counter() - self._received_at)
+
+
+def _poll(work: Any, deadline: float, stop: Any) -> bool:
+    """Wait for ``work`` by polling ``is_completed()`` with a backoff; False at ``deadline`` or when ``stop()``.
+
+    On NCCL ``is_completed()`` queries the operation's CUDA event and never blocks; ``work.wait()`` then
+    only orders the current stream after it (or raises NCCL's error)."""
+    start = time.monotonic()
+    delay = 0.0
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= deadline or stop():
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2 or POLL_MIN_S, POLL_MAX_S if now - start < 1.0 else POLL_IDLE_S)
+    work.wait()
+    return True
+
+
+def _break_gloo_pair(pg: Any, peer: int) -> None:
+    """Close the gloo connection to ``peer`` for good, so a wait blocked on it raises at once.
+
+    gloo has no way to cancel a posted receive, but a receive that times out closes its connection
+    ("pair"), and every other operation on that pair then fails: so post one on ``TAG_BREAK`` (never
+    sent) and let it time out after 1 ms."""
+    try:
+        pg.recv([torch.empty(1, dtype=torch.uint8)], peer, TAG_BREAK).wait(timeout=timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # the expected timeout, or the pair was already closed
+
+
+def _end_group(pg: Any, abort: bool) -> None:
+    """``abort()`` a group whose communicator may be broken (where torch has it), else ``shutdown()``."""
+    try:
+        if abort and hasattr(pg, "abort"):
+            pg.abort()
+        else:
+            pg.shutdown()
+    except RuntimeError:
+        pass

@@ -36,6 +36,13 @@ idle ticker: after ``IDLE_TICK_S`` without a step it runs a zero-token step
 about ``IDLE_TICK_S`` per step for idle ones. Idle ranks' step ids differ from
 busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
 
+Devices: the serve thread first makes the worker's device current there
+(``torch.cuda.set_device``; the main thread's choice does not carry over to a
+new thread, and Triton kernels and vLLM's ``current_stream()`` follow it), and
+moves every received batch to the FFN model's device and activation dtype
+before the MLP runs (a connector on another device, or gloo with a CUDA model,
+hands over host tensors).
+
 Limits: one connector per worker (no TP/PP inside a role); the FFN loop serves
 one layer message at a time (no micro-batch overlap); idle ticks cost empty
 exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
@@ -246,11 +253,24 @@ class FfnRoleMixin(_RoleBase):
         self._afd_thread = threading.Thread(target=self._afd_serve, name=f"afd-ffn-{cfg.rank}", daemon=True)
         self._afd_thread.start()
 
+    def _afd_placement(self, model: Any) -> tuple[torch.device, torch.dtype]:
+        """Where the FFN runs: the device of the model's parameters (else the worker's ``device``), and the
+        activation dtype vLLM runs the model in (else the parameters' dtype)."""
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device(getattr(self, "device", None) or "cpu")
+        dtype = getattr(torch, str(self._afd_identity.get("dtype") or ""), None)
+        if not isinstance(dtype, torch.dtype):
+            dtype = param.dtype if param is not None else torch.get_default_dtype()
+        return device, dtype
+
     def _afd_serve(self) -> None:
         """Serve one group after another until ``shutdown()`` or an error (see the module's "FFN role")."""
         model = self._afd_model()
         groups = 0
         try:
+            placement = self._afd_placement(model)
+            if placement[0].type == "cuda":
+                torch.cuda.set_device(placement[0])  # per thread: the worker's choice is not inherited
             while not self._afd_stop.is_set():
                 conn = self._afd_connector if groups == 0 else self._afd_swap(build_connector(self._afd_cfg,
                                                                                               self._afd_identity))
@@ -261,7 +281,7 @@ class FfnRoleMixin(_RoleBase):
                     if not self._afd_form(conn, groups):
                         continue
                     groups += 1
-                    self._afd_serve_group(conn, model)
+                    self._afd_serve_group(conn, model, placement)
                 finally:
                     conn.close()
                 logger.info("AFD FFN rank %d: every attention rank closed; waiting for a new group at %s:%s",
@@ -309,8 +329,9 @@ class FfnRoleMixin(_RoleBase):
                     self._afd_cfg.port)
         return True
 
-    def _afd_serve_group(self, conn: Connector, model: Any) -> None:
+    def _afd_serve_group(self, conn: Connector, model: Any, placement: tuple[torch.device, torch.dtype]) -> None:
         """Receive → FFN → send until every served attention rank closed cleanly (return) or an error."""
+        device, dtype = placement
         while not self._afd_stop.is_set():
             try:
                 meta, inputs = conn.recv_attn_output()
@@ -323,7 +344,7 @@ class FfnRoleMixin(_RoleBase):
             sizes = [t.shape[0] for t in inputs]
             with torch.inference_mode():
                 batch = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-                out = model.afd_ffn(meta.layer, batch)
+                out = model.afd_ffn(meta.layer, batch.to(device=device, dtype=dtype))
                 outputs = [out] if len(inputs) == 1 else list(torch.split(out, sizes))
             conn.send_ffn_output(outputs, meta)
             self._afd_batches += 1

@@ -1,11 +1,25 @@
 """AFD role workers on vLLM's GPU worker (``vllm.v1.worker.gpu_worker.Worker``).
 
-Selected by the manifest on the cuda platform only. Not run in this project's
-CPU-only CI; import-checked statically. Limits as in ``common``; in addition the
-attention role needs ``enforce_eager=True`` (no CUDA graphs across the exchange).
+Selected by the manifest on the cuda platform only. Limits as in ``common``;
+``enforce_eager=True`` is forced on both roles by the config validation (no
+torch.compile or CUDA graphs across the exchange).
+
+Model runners: vLLM's GPU worker builds the V2 model runner
+(``vllm.v1.worker.gpu.model_runner``) when Triton works, else the V1 one. The
+attention role needs nothing runner-specific: both call the model's
+``forward`` (eagerly, with ``enforce_eager``), which exchanges per layer. The
+FFN role never runs a forward and has no KV cache, so it skips what both
+runners would build for one: ``initialize_from_config`` only records the
+(empty) block count instead of handing an empty KV cache config to the
+runner (attention backends, block tables, CUDA-graph manager), and
+``compile_or_warm_up_model`` does nothing. Not run in this project's CPU-only
+CI (the CPU worker uses a V1-based runner); what holds on a GPU is recorded in
+docs/running.md, "CUDA".
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from vllm.v1.worker.gpu_worker import Worker
 from vllm.v1.worker.worker_base import CompilationTimes
@@ -19,6 +33,9 @@ class CudaAttentionWorker(AttentionRoleMixin, Worker):
 
 class CudaFfnWorker(FfnRoleMixin, Worker):
     """FFN role on CUDA: no KV cache, no warm-up/capture (the FFN-only model has no forward)."""
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # nothing to allocate or build
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(language_model=0.0, encoder=0.0)

@@ -125,3 +125,28 @@ def test_afd_config_without_the_plugin_fails_fast(tiny_llama):
     assert gen.returncode != 0
     assert "AFDLlamaForCausalLM" in gen.output and "not supported" in gen.output, gen.output[-3000:]
     assert time.perf_counter() - started < 90
+
+
+_EAGER_PROBE = """
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+out = {}
+for role in ("attention", "ffn"):
+    cfg = EngineArgs(model=sys.argv[1], max_model_len=256, skip_tokenizer_init=True, enforce_eager=False,
+                     hf_overrides={"architectures": ["AFDLlamaForCausalLM"]},
+                     additional_config={"afd": {"role": role}}).create_engine_config()
+    out[role] = [cfg.model_config.enforce_eager, int(cfg.compilation_config.mode)]
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_afd_forces_enforce_eager_on_both_roles(tiny_llama):
+    """AFD without enforce_eager: both roles get enforce_eager=True (no torch.compile, which would trace into
+    the per-layer exchange, and no CUDA graphs), logged once per process."""
+    proc = subprocess.run([sys.executable, "-c", _EAGER_PROBE, str(tiny_llama)], env=vllm_env(),
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result == {"attention": [True, 0], "ffn": [True, 0]}, result
+    assert output.count("AFD: enforce_eager=True forced") == 1, output[-4000:]

@@ -25,6 +25,7 @@ from afd_patches import topology
 from afd_patches.config import AfdConfig
 from afd_patches.connectors.base import ConnectorError, Meta
 from afd_patches.connectors.torch_dist import (
+    CLOSE_WAIT_S,
     HEADER_LEN,
     KIND_CLOSE,
     KIND_DATA,
@@ -603,3 +604,78 @@ def test_attention_killed_while_ffn_waits_idle_is_noticed_at_once() -> None:
     assert res["error"] == "ConnectorError", res
     assert "lost attention rank 0" in res["message"] and f"127.0.0.1:{port}" in res["message"], res["message"]
     assert res["calls"] == 0 and elapsed < SLACK_S, (elapsed, res)
+
+
+# ------------------------------------------------------------- liveness and close
+def test_attention_frozen_while_ffn_waits_idle_is_noticed_by_the_heartbeat() -> None:
+    """A frozen attention rank keeps its socket open, so gloo alone would wait idle_timeout_s (a week); the
+    heartbeat in the group's store ends the FFN's idle wait within about timeout_s, naming the rank. On
+    NCCL, where no socket closes, this is the only signal, also for a killed peer."""
+    port, timeout_s = free_port(), 2.0
+    queue = _CTX.Queue()
+    procs = [
+        start(ffn_worker, make_config("ffn", 0, port, timeout_s=timeout_s), queue),
+        start(silent_attention_worker, make_config("attention", 0, port, timeout_s=timeout_s), queue, 60.0),
+    ]
+    try:
+        collect(queue, {"attention-joined"}, 30)
+        with pytest.raises(queue_mod.Empty):
+            queue.get(timeout=timeout_s + 1.0)  # alive, beating and idle: the FFN keeps waiting
+        t0 = time.monotonic()
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        res = collect(queue, {"ffn0"}, timeout_s + 3 * SLACK_S)["ffn0"]
+        elapsed = time.monotonic() - t0
+    finally:
+        procs[1].kill()
+    _join_all(procs, 10)
+    print(f"{elapsed:.2f}s", res["message"])
+    assert res["error"] == "ConnectorTimeout", res
+    assert "lost attention rank 0" in res["message"] and "no heartbeat" in res["message"], res["message"]
+    assert f"127.0.0.1:{port}" in res["message"], res["message"]
+    assert res["calls"] == 0 and timeout_s - 1.0 < elapsed < timeout_s + SLACK_S, (elapsed, res)
+
+
+def ffn_closed_from_another_thread(cfg: AfdConfig, queue: Any, after_s: float) -> None:
+    """A thread blocks in ``recv_attn_output`` (idle peer); after ``after_s`` the main thread calls close()."""
+    conn = TorchDistConnector(cfg)
+    conn.init()
+    ended: dict[str, Any] = {}
+
+    def serve() -> None:
+        try:
+            conn.recv_attn_output()
+            ended["error"] = None
+        except ConnectorError as e:
+            ended.update(_error_fields(e))
+        ended["at"] = time.monotonic()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    time.sleep(after_s)
+    t0 = time.monotonic()
+    conn.close()
+    close_s = time.monotonic() - t0
+    thread.join(30)
+    _report(queue, "ffn0", close_s=close_s, thread_alive=thread.is_alive(),
+            thread_s=ended.get("at", float("inf")) - t0, **{k: v for k, v in ended.items() if k != "at"})
+
+
+def test_close_from_another_thread_while_serve_loop_blocked_returns_in_bound() -> None:
+    """shutdown() of an FFN engine closes the connector from the main thread while the serve thread waits
+    for an idle attention rank: close() returns, and the waiting call ends with ConnectorClosed, in bound."""
+    port = free_port()
+    queue = _CTX.Queue()
+    procs = [
+        start(ffn_closed_from_another_thread, make_config("ffn", 0, port), queue, 1.0),
+        start(silent_attention_worker, make_config("attention", 0, port), queue, 60.0),
+    ]
+    try:
+        collect(queue, {"attention-joined"}, 30)
+        res = collect(queue, {"ffn0"}, 40)["ffn0"]
+    finally:
+        procs[1].kill()
+    _join_all(procs, 10)
+    print(res)
+    bound = CLOSE_WAIT_S + SLACK_S
+    assert not res["thread_alive"] and res["error"] == "ConnectorClosed", res
+    assert res["close_s"] < bound and res["thread_s"] < bound, res

@@ -1,0 +1,401 @@
+"""GPU check of the AFD connector and FFN serve loop, without vLLM (torch with CUDA is enough).
+
+What it runs
+    Two processes, an FFN rank and an attention rank, on the real ``TorchDistConnector``
+    (``afd_patches/connectors/torch_dist.py``) and the real FFN serve loop
+    (``FfnRoleMixin._afd_serve`` of ``afd_patches/workers/common.py``, in its own thread, on a
+    stand-in worker that holds a bf16 MLP). vLLM's group helper is replaced by
+    ``group_shim.py`` where vLLM is not installed.
+
+    ``exchange`` (call 1, about 1-2 minutes on one GPU):
+      - ``same_gpu_refused``: both ranks on one GPU with NCCL fail at the handshake with the
+        message that says what to do (only when the ranks share a GPU);
+      - ``nccl_same_gpu_forced``: the same with that check bypassed, to record what NCCL itself
+        says and that the connector reports it as an NCCL error (only on one GPU);
+      - ``exchange``: token counts ``--tokens`` (default 1,7,256,4096) x ``--hidden`` (4096),
+        bf16, through the serve loop's MLP; each result bitwise equal to the same MLP run
+        locally; microseconds per exchange (median, p90) next to the local MLP alone;
+      - ``close_while_blocked``: the FFN closes its connector from its main thread while the
+        serve thread waits for an idle attention rank; close and the serve thread end in bound.
+    ``idle`` (call 2, about 2 minutes): the FFN idles ``--idle-s`` (60) with ``timeout_s=10``
+    (a group timeout of ``timeout_s`` would make NCCL's watchdog abort it); then one exchange
+    must still work; then the attention process is killed (SIGKILL) while the FFN idles, and
+    the serve loop must report the lost rank within ``timeout_s`` plus slack.
+
+Backends and devices
+    ``--backend nccl`` (default with CUDA) needs two GPUs for the data path: with two, FFN on
+    cuda:0 and attention on cuda:1. NCCL cannot hold two ranks of one group on one GPU, so
+    with one GPU the data-path checks run with ``--backend gloo`` and both MLPs on cuda:0
+    (gloo copies through host memory; this is the documented way to put both ranks on one
+    GPU, also in docs/running.md); on one GPU ``exchange`` therefore runs the two same-GPU
+    NCCL checks and then the gloo data path by itself. ``--device cpu`` runs everything on
+    CPU with gloo (how the script itself is tested without a GPU; use a small ``--hidden``).
+
+How to run (repository root; a machine lent for a session takes the working tree)
+    python scripts/gpu_check/check.py exchange            # call 1, give it 300 s
+    python scripts/gpu_check/check.py idle                # call 2, give it 300 s
+    python scripts/gpu_check/check.py exchange --device cpu --hidden 256 --reps 5   # CPU self-test
+    Each prints one JSON line per check (``CHECK {...}``) and ends with ``GPU_CHECK PASS`` or
+    ``GPU_CHECK FAIL``; the exit status is 0 only for PASS. Results go in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's afd_patches
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import group_shim
+import torch
+
+SLACK_S = 5.0
+_CTX = mp.get_context("spawn")
+
+
+# ------------------------------------------------------------------ pieces both processes use
+class Mlp(torch.nn.Module):
+    """A Llama-style gated MLP; the same seed gives the same weights in every process."""
+
+    def __init__(self, hidden: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(1234)
+        inter = hidden * 11 // 4
+        scale = hidden ** -0.5
+        self.gate_up = torch.nn.Parameter((torch.randn(2 * inter, hidden, generator=gen) * scale).to(device, dtype))
+        self.down = torch.nn.Parameter((torch.randn(hidden, inter, generator=gen) * scale).to(device, dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ self.gate_up.t()).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ self.down.t()
+
+    def afd_ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
+
+
+def make_config(role: str, port: int, opts: dict[str, Any]) -> Any:
+    from afd_patches.config import AfdConfig
+
+    extra: dict[str, Any] = {"backend": opts["backend"]}
+    if opts["backend"] == "nccl":
+        extra["device"] = opts["devices"][role]
+    return AfdConfig(role=role, port=port, timeout_s=opts["timeout_s"], connector_extra_config=extra)
+
+
+def identity(opts: dict[str, Any]) -> dict[str, Any]:
+    return {"hidden_size": opts["hidden"], "dtype": opts["dtype"], "max_num_batched_tokens": max(opts["tokens"])}
+
+
+def setup(role: str, opts: dict[str, Any]) -> torch.device:
+    """Per process: the shim, the device, and (with ``force_distinct``) a bypass of the same-GPU check."""
+    group_shim.install(force=opts["shim"])
+    torch.set_num_threads(2)
+    device = torch.device(opts["devices"][role])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if opts.get("force_distinct"):
+        from afd_patches.connectors import torch_dist
+
+        torch_dist.device_identity = lambda d: f"forced-distinct-{role}"
+    return device
+
+
+def _error(e: BaseException) -> dict[str, Any]:
+    return {"error": type(e).__name__, "message": str(e)[:600]}
+
+
+# ------------------------------------------------------------------ the FFN process
+def ffn_main(port: int, opts: dict[str, Any], inbox: Any, outbox: Any) -> None:
+    """Build the connector as the FFN worker's ``load_model`` does, serve in a thread, obey ``inbox``.
+
+    The worker is ``FfnRoleMixin`` alone, given just the attributes its serve loop reads (no vLLM worker)."""
+    device = setup("ffn", opts)
+    from afd_patches.config import AfdConfig
+    from afd_patches.connectors.base import ConnectorError
+    from afd_patches.workers.common import FfnRoleMixin, build_connector
+
+    worker: Any = FfnRoleMixin.__new__(FfnRoleMixin)
+    worker._afd_stop = threading.Event()
+    worker._afd_wait_lock = threading.Lock()
+    worker._afd_waiters = 0
+    worker._afd_earlier = [0, 0]
+    worker._afd_group_ended = threading.Event()
+    worker._afd_identity = identity(opts)
+    worker.device = device
+    cfg: AfdConfig = make_config("ffn", port, opts)
+    worker._afd_cfg = cfg
+    model = Mlp(opts["hidden"], device, getattr(torch, opts["dtype"]))
+    worker._afd_model = lambda: model
+    try:
+        worker._afd_connector = build_connector(cfg, worker._afd_identity)
+    except ConnectorError as e:
+        outbox.put(("ffn", {"stage": "build", **_error(e)}))
+        return
+    thread = threading.Thread(target=worker._afd_serve, name="afd-ffn-0", daemon=True)
+    thread.start()
+    while True:
+        try:
+            command = inbox.get(timeout=0.5)
+        except queue.Empty:
+            command = None
+        if command == "close":
+            t0 = time.monotonic()
+            worker._afd_stop.set()
+            worker._afd_connector.close()
+            close_s = time.monotonic() - t0
+            thread.join(30)
+            outbox.put(("ffn-closed", {"close_s": close_s, "thread_s": time.monotonic() - t0,
+                                       "thread_alive": thread.is_alive()}))
+            return
+        if not thread.is_alive():
+            err = worker._afd_error
+            outbox.put(("ffn", {"at": time.monotonic(), "batches": worker._afd_batches,
+                                **(_error(err) if err else {"error": None})}))
+            return
+
+
+# ------------------------------------------------------------------ the attention process
+def _time_us(fn: Any, reps: int, device: torch.device) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def attention_main(port: int, opts: dict[str, Any], inbox: Any, outbox: Any) -> None:
+    """Exchange per ``opts["plan"]``: ``sizes`` (bitwise + timing), ``idle`` (one exchange after idling)."""
+    device = setup("attention", opts)
+    from afd_patches.connectors.base import ConnectorError
+    from afd_patches.connectors.torch_dist import TorchDistConnector
+
+    dtype = getattr(torch, opts["dtype"])
+    conn = TorchDistConnector(make_config("attention", port, opts), identity=identity(opts))
+    t0 = time.monotonic()
+    try:
+        conn.init()
+    except ConnectorError as e:
+        outbox.put(("attention", {"stage": "init", "elapsed": time.monotonic() - t0, **_error(e)}))
+        return
+    ref = Mlp(opts["hidden"], device, dtype)
+    step = [0]
+
+    def exchange(x: torch.Tensor) -> torch.Tensor:
+        conn.send_attn_output(x, 0, step[0])
+        y = conn.recv_ffn_output(0, step[0])
+        step[0] += 1
+        return y
+
+    try:
+        if opts["plan"] == "sizes":
+            gen = torch.Generator().manual_seed(7)
+            for tokens in opts["tokens"]:
+                x = torch.randn(tokens, opts["hidden"], generator=gen).to(device, dtype)
+                y = exchange(x)
+                with torch.inference_mode():
+                    local = ref(x)
+                rt = _time_us(lambda x=x: exchange(x), opts["reps"], device)
+                with torch.inference_mode():
+                    mlp = _time_us(lambda x=x: ref(x), opts["reps"], device)
+                outbox.put(("size", {"tokens": tokens, "hidden": opts["hidden"], "dtype": opts["dtype"],
+                                     "bitwise_equal": bool(torch.equal(y, local)),
+                                     "exchange_us_p50": statistics.median(rt),
+                                     "exchange_us_p90": sorted(rt)[int(0.9 * (len(rt) - 1))],
+                                     "local_mlp_us_p50": statistics.median(mlp)}))
+            outbox.put(("attention-idle", {}))
+            inbox.get(timeout=120)  # the FFN closes meanwhile
+        else:
+            exchange(torch.ones(1, opts["hidden"], device=device, dtype=dtype))
+            outbox.put(("attention-idle", {"at": time.monotonic()}))
+            inbox.get(timeout=opts["idle_s"] + 120)  # idle until told
+            y = exchange(torch.ones(1, opts["hidden"], device=device, dtype=dtype))
+            outbox.put(("after-idle", {"ok": y.shape == (1, opts["hidden"]), "alive": True}))
+            time.sleep(3600)  # idle until killed
+    except ConnectorError as e:
+        outbox.put(("attention", {"stage": "exchange", **_error(e)}))
+        return
+    conn.close()
+
+
+# ------------------------------------------------------------------ driver
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Pair:
+    """The two processes of one check and their mailboxes."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        port = _port()
+        self.out = _CTX.Queue()
+        self.to_ffn, self.to_attn = _CTX.Queue(), _CTX.Queue()
+        self.ffn = _CTX.Process(target=ffn_main, args=(port, opts, self.to_ffn, self.out), daemon=True)
+        self.attn = _CTX.Process(target=attention_main, args=(port, opts, self.to_attn, self.out), daemon=True)
+        self.ffn.start()
+        self.attn.start()
+        self.got: dict[str, list[dict[str, Any]]] = {}
+
+    def wait_for(self, name: str, timeout_s: float) -> dict[str, Any] | None:
+        """The next message called ``name``, or None after ``timeout_s``."""
+        got = self.wait_any([name], timeout_s)
+        return got[1] if got else None
+
+    def wait_any(self, names: list[str], timeout_s: float) -> tuple[str, dict[str, Any]] | None:
+        """The next message called one of ``names`` (first of ``names`` that has one), or None."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for name in names:
+                if self.got.get(name):
+                    return name, self.got[name].pop(0)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                key, value = self.out.get(timeout=left)
+            except queue.Empty:
+                return None
+            self.got.setdefault(key, []).append(value)
+
+    def end(self) -> None:
+        for p in (self.ffn, self.attn):
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+
+
+RESULTS: list[bool] = []
+
+
+def report(name: str, ok: bool, **fields: Any) -> None:
+    RESULTS.append(ok)
+    print("CHECK " + json.dumps({"check": name, "ok": ok, **fields}, default=str), flush=True)
+
+
+def check_same_gpu(opts: dict[str, Any]) -> None:
+    """One GPU, NCCL: the handshake refuses; then, forced past it, what NCCL says."""
+    nccl = {**opts, "backend": "nccl", "devices": {"ffn": "cuda:0", "attention": "cuda:0"}, "plan": "sizes"}
+    pair = Pair(nccl)
+    res = pair.wait_for("attention", 90)
+    ffn = pair.wait_for("ffn", 30)
+    pair.end()
+    ok = bool(res and "both use GPU" in res.get("message", "") and ffn and "both use GPU" in ffn.get("message", ""))
+    report("same_gpu_refused", ok, attention=res, ffn=ffn)
+    pair = Pair({**nccl, "force_distinct": True})
+    first = pair.wait_any(["attention", "size"], 60)
+    res = first[1] if first else None
+    ffn = pair.wait_for("ffn", 10)
+    exit_codes = {"ffn": pair.ffn.exitcode, "attention": pair.attn.exitcode}  # None: still running
+    pair.end()
+    message = (res or {}).get("message", "") + (ffn or {}).get("message", "")
+    formed = bool(first and first[0] == "size")
+    ok = formed or ("NCCL reported an error" in message)
+    report("nccl_same_gpu_forced", ok, group_formed=formed, attention=res, ffn=ffn, exit_codes=exit_codes,
+           note="NCCL accepted two ranks on one GPU" if formed else "NCCL refused; see the messages (or the "
+                "exit codes, if NCCL's watchdog ended a process first)")
+
+
+def check_exchange(opts: dict[str, Any]) -> None:
+    pair = Pair({**opts, "plan": "sizes"})
+    try:
+        for tokens in opts["tokens"]:
+            res = pair.wait_for("size", 240)
+            if res is None:
+                report("exchange", False, tokens=tokens, attention=pair.wait_for("attention", 1),
+                       ffn=pair.wait_for("ffn", 1))
+                return
+            report("exchange", res["bitwise_equal"], **res)
+        idle = pair.wait_for("attention-idle", 30)
+        time.sleep(1.0)  # the serve thread is now blocked waiting for the idle attention rank
+        pair.to_ffn.put("close")
+        closed = pair.wait_for("ffn-closed", 60)
+        bound = 2.0 + SLACK_S
+        ok = bool(idle is not None and closed and not closed["thread_alive"] and closed["close_s"] < bound
+                  and closed["thread_s"] < bound)
+        report("close_while_blocked", ok, bound_s=bound, **(closed or {}))
+        pair.to_attn.put("done")
+    finally:
+        pair.end()
+
+
+def check_idle(opts: dict[str, Any]) -> None:
+    pair = Pair({**opts, "plan": "idle"})
+    try:
+        first = pair.wait_for("attention-idle", 120)
+        if first is None:
+            report("idle_no_watchdog_abort", False, attention=pair.wait_for("attention", 1),
+                   ffn=pair.wait_for("ffn", 1))
+            return
+        time.sleep(opts["idle_s"])
+        ffn_alive = pair.ffn.is_alive()
+        pair.to_attn.put("go")
+        after = pair.wait_for("after-idle", 60)
+        report("idle_no_watchdog_abort", bool(ffn_alive and after and after["ok"]), idle_s=opts["idle_s"],
+               timeout_s=opts["timeout_s"], ffn_alive=ffn_alive, after=after or pair.wait_for("attention", 1))
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        os.kill(pair.attn.pid, signal.SIGKILL)
+        res = pair.wait_for("ffn", opts["timeout_s"] + 3 * SLACK_S)
+        elapsed = (res["at"] - t0) if res else None
+        ok = bool(res and "lost attention rank 0" in res.get("message", "") and elapsed is not None
+                  and elapsed < opts["timeout_s"] + SLACK_S)
+        report("dead_peer_noticed_while_idle", ok, elapsed_s=elapsed, timeout_s=opts["timeout_s"], ffn=res)
+    finally:
+        pair.end()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["exchange", "idle"])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backend", choices=["nccl", "gloo"])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--tokens", default="1,7,256,4096")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--idle-s", type=float, default=60.0)
+    parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--shim", action="store_true", help="use group_shim even where vLLM is installed")
+    args = parser.parse_args()
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    backend = args.backend or ("nccl" if gpus >= 2 else "gloo")
+    if args.device == "cpu":
+        devices = {"ffn": "cpu", "attention": "cpu"}
+    else:
+        devices = {"ffn": "cuda:0", "attention": "cuda:1" if gpus >= 2 else "cuda:0"}
+    opts = {"backend": backend, "devices": devices, "hidden": args.hidden, "dtype": args.dtype,
+            "tokens": [int(t) for t in args.tokens.split(",")], "reps": args.reps, "idle_s": args.idle_s,
+            "timeout_s": args.timeout_s, "shim": args.shim}
+    print("GPU_CHECK " + json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus,
+                                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,
+                                     **{k: v for k, v in opts.items() if k != "shim"}}), flush=True)
+    started = time.monotonic()
+    if args.what == "exchange":
+        if gpus == 1:
+            check_same_gpu(opts)
+        check_exchange(opts)
+    else:
+        check_idle(opts)
+    verdict = "PASS" if RESULTS and all(RESULTS) else "FAIL"
+    print(f"GPU_CHECK {verdict} ({sum(RESULTS)}/{len(RESULTS)} checks, {time.monotonic() - started:.0f}s)", flush=True)
+    return 0 if verdict == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
