@@ -115,6 +115,27 @@ def _param_summary(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def _run_ffn(model: Any, layer: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Layer ``layer``'s FFN over the rows of every input, one call; outputs in the same order and shapes.
+
+    Zero-row inputs (idle ranks, and the ranks a pingpong receive did not come
+    from) are answered with themselves; with one non-empty input nothing is copied.
+    """
+    busy = [i for i, t in enumerate(inputs) if t.shape[0]]
+    if not busy:
+        return inputs
+    with torch.inference_mode():
+        if len(busy) == 1:
+            out = [model.afd_ffn(layer, inputs[busy[0]])]
+        else:
+            out = list(torch.split(model.afd_ffn(layer, torch.cat([inputs[i] for i in busy])),
+                                   [inputs[i].shape[0] for i in busy]))
+    outputs = list(inputs)
+    for i, o in zip(busy, out, strict=True):
+        outputs[i] = o
+    return outputs
+
+
 class _RoleBase:
     """Shared helpers; assumes a vLLM worker (``vllm_config``, ``model_runner``) further down the MRO."""
 
@@ -159,7 +180,7 @@ class AttentionRoleMixin(_RoleBase):
         self._afd_connector = connector
         model.afd_bind(connector)
         self._afd_ticker_stop = threading.Event()
-        if cfg.num_attention_ranks > cfg.num_ffn_ranks:
+        if cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched":
             threading.Thread(target=self._afd_tick, args=(model.afd_link(),), name=f"afd-idle-{cfg.rank}",
                              daemon=True).start()
 
@@ -320,12 +341,7 @@ class FfnRoleMixin(_RoleBase):
                 if self._afd_stop.is_set():
                     return
                 raise
-            sizes = [t.shape[0] for t in inputs]
-            with torch.inference_mode():
-                batch = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-                out = model.afd_ffn(meta.layer, batch)
-                outputs = [out] if len(inputs) == 1 else list(torch.split(out, sizes))
-            conn.send_ffn_output(outputs, meta)
+            conn.send_ffn_output(_run_ffn(model, meta.layer, inputs), meta)
             self._afd_batches += 1
 
     def _afd_stop_engine(self) -> None:
