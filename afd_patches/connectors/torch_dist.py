@@ -47,6 +47,16 @@ Wire format
     side raises ``ConnectorClosed``. Tensors have at most ``MAX_NDIM``
     dimensions and a dtype from ``DTYPE_CODES``.
 
+Schedules
+    ``connector_extra_config["schedule"]`` (``afd_patches.config.SCHEDULES``,
+    compared in the handshake). ``batched``: ``recv_attn_output`` returns one
+    layer from every open served rank (they must agree on layer and step).
+    ``pingpong`` with several served ranks: it keeps one header receive posted
+    per open rank and returns whichever completes first
+    (``afd_patches.connectors.arrivals``), the other slots zero-row; gloo only.
+    Either way ``send_ffn_output`` answers exactly the ranks whose inputs the
+    last ``recv_attn_output`` returned.
+
 Counting
     ``messages_sent`` / ``messages_received`` count tensor messages (one per
     layer, step, direction and peer); ``CLOSE`` headers are not counted.

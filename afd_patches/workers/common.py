@@ -28,16 +28,18 @@ FFN/attention kind) and, on the FFN role, ``afd_wait(timeout_s)`` which blocks
 until a group ended or the serve loop stopped, and re-raises its error. Both
 start the ``vllm:afd_*`` metrics writer (``afd_patches.connectors.metrics``).
 
-Lockstep (rA:1F): an idle vLLM engine does not step, yet the FFN rank waits
-for every attention rank it serves before its one batched call. So when an
-FFN rank serves more than one attention rank, each attention worker runs an
-idle ticker: after ``IDLE_TICK_S`` without a step it runs a zero-token step
+Lockstep (rA:1F, ``schedule: batched``): an idle vLLM engine does not step, yet
+the FFN rank waits for every attention rank it serves before its one batched
+call. So when an FFN rank serves more than one attention rank, each attention
+worker runs an idle ticker (not with ``schedule: pingpong``, where the FFN rank
+serves each rank's layer as it arrives): after ``IDLE_TICK_S`` without a step it runs a zero-token step
 (every layer, empty tensors) through the connector. Busy ranks then wait at most
 about ``IDLE_TICK_S`` per step for idle ones. Idle ranks' step ids differ from
 busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
 
-Limits: one connector per worker (no TP/PP inside a role); the FFN loop serves
-one layer message at a time (no micro-batch overlap); idle ticks cost empty
+Limits: one connector per worker (no TP/PP inside a role); the FFN loop runs
+one FFN call at a time (pingpong overlaps one rank's attention with another's
+FFN, not two FFN calls); idle ticks cost empty
 exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
 attention rank that shuts down counts as idle from then on; a group's
 membership is fixed, so with several attention ranks per FFN rank a new group
