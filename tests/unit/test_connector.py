@@ -641,3 +641,26 @@ def test_attention_killed_while_ffn_waits_idle_is_noticed_at_once(schedule: str,
     assert res["error"] == "ConnectorError", res
     assert "lost attention rank 0" in res["message"] and f"127.0.0.1:{port}" in res["message"], res["message"]
     assert res["calls"] == 0 and elapsed < SLACK_S, (elapsed, res)
+
+
+def test_run_ffn_calls_the_ffn_once_on_the_busy_rows_only() -> None:
+    """The FFN role's per-message work: empty inputs (idle ranks, other ranks in pingpong) are answered
+    with themselves and never reach the FFN; one busy input goes in without a copy; several in one call."""
+    from afd_patches.workers.common import _run_ffn
+
+    class Model:
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, torch.Tensor]] = []
+
+        def afd_ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+            self.calls.append((layer, x))
+            return ffn(x)
+
+    empty, a, b = torch.empty(0, HIDDEN), attn_input(0, 1, 0, 3), attn_input(1, 1, 0, 2)
+    model = Model()
+    assert _run_ffn(model, 1, [empty, empty]) == [empty, empty] and model.calls == []
+    out = _run_ffn(model, 1, [empty, a])
+    assert out[0] is empty and torch.equal(out[1], ffn(a)) and model.calls[0][1] is a
+    out = _run_ffn(model, 1, [a, empty, b])
+    assert len(model.calls) == 2 and model.calls[1][1].shape == (5, HIDDEN)
+    assert torch.equal(out[0], ffn(a)) and out[1] is empty and torch.equal(out[2], ffn(b))
