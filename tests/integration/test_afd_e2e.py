@@ -94,8 +94,9 @@ def _check_roles(ffn: dict[str, Any], attns: list[dict[str, Any]], schedule: str
     stats = [a["stats"][0] for a in attns]
     for a in stats:
         assert a["role"] == "attention" and a["mlp_param_names"] == [] and a["kv_cache_bytes"] > 0
-        assert a["layers"] == LAYERS and a["steps"] > 0
+        assert a["layers"] == LAYERS
         assert a["exchanges"] == a["messages_sent"] == a["messages_received"] == a["layers"] * a["steps"]
+    assert any(a["steps"] > 0 for a in stats)  # a pingpong rank that got no requests may never step
     assert f["messages_received"] == f["messages_sent"] == sum(a["messages_sent"] for a in stats)
     exchanges = [a["exchanges"] for a in stats]
     assert f["ffn_batches"] == (sum(exchanges) if schedule == "pingpong" else max(exchanges))
@@ -186,7 +187,7 @@ def test_afd_2a1f_busy_and_idle_rank_finishes(workdir: Path, schedule: str) -> N
     if schedule == "batched":
         assert i["idle_steps"] == i["steps"] > 0  # every step of the idle rank was a zero-token one
     else:
-        assert i["idle_steps"] == 0  # its only steps are vLLM's start-up ones
+        assert i["idle_steps"] == i["steps"] == 0  # it never stepped, and the busy rank was served anyway
 
 
 KILL_TIMEOUT_S = 15.0  # the pair's AFD timeout_s in the kill tests
