@@ -432,7 +432,7 @@ class TorchDistConnector(Connector):
         except RuntimeError as e:
             raise self._fail(e, peer, what, self.timeout_s) from e
 
-    def _wait(self, work: Any, peer: int | None, what: str, timeout_s: float) -> None:
+    def _wait(self, work: Any, peer: int, what: str, timeout_s: float) -> None:
         try:
             work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as e:
