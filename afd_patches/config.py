@@ -22,6 +22,7 @@ from typing import Any
 from afd_patches import CONFIG_KEY, AfdConfigError, config_schema
 
 ALIASES = {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
+SCHEDULES = ("batched", "pingpong")  # connector_extra_config["schedule"]; the first is the default
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,16 @@ class AfdConfig:
     token_file: str | None = None
     allow_unauthenticated: bool = False
 
+    @property
+    def schedule(self) -> str:
+        """``connector_extra_config["schedule"]``: how an FFN rank serves its attention ranks (``SCHEDULES``).
+
+        ``batched`` (default): one FFN call per layer over every served rank, which
+        needs idle attention ranks to send empty steps; ``pingpong``: each rank's
+        layer is served as it arrives. ``parse`` and the connector reject other values.
+        """
+        return str(self.connector_extra_config.get("schedule", SCHEDULES[0]))
+
     def to_dict(self) -> dict[str, Any]:
         """The keys ``parse`` accepts again (an unset ``token_file`` is left out)."""
         d = asdict(self)
@@ -53,8 +64,9 @@ def _validator() -> Any:
     return jsonschema.Draft202012Validator(json.loads(config_schema().read_text()))
 
 
-def _fail(key: str, message: str) -> AfdConfigError:
-    return AfdConfigError(f'additional_config["afd"]["{key}"]: {message}')
+def _fail(key: str, message: str, *inner: str) -> AfdConfigError:
+    path = "".join(f'["{k}"]' for k in (key, *inner))
+    return AfdConfigError(f'additional_config["afd"]{path}: {message}')
 
 
 def parse(raw: Any) -> AfdConfig:
@@ -68,8 +80,8 @@ def parse(raw: Any) -> AfdConfig:
     errors = sorted(_validator().iter_errors(raw), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
         e = errors[0]
-        key = str(e.absolute_path[0]) if e.absolute_path else "?"
-        raise _fail(key, e.message)
+        key, *inner = [str(k) for k in e.absolute_path] or ["?"]
+        raise _fail(key, e.message, *inner)
     values = dict(raw)
     for alias, canonical in ALIASES.items():
         if alias in values:

@@ -55,6 +55,16 @@ Wire format
     side raises ``ConnectorClosed``. Tensors have at most ``MAX_NDIM``
     dimensions and a dtype from ``DTYPE_CODES``.
 
+Schedules
+    ``connector_extra_config["schedule"]`` (``afd_patches.config.SCHEDULES``,
+    compared in the handshake). ``batched``: ``recv_attn_output`` returns one
+    layer from every open served rank (they must agree on layer and step).
+    ``pingpong`` with several served ranks: it keeps one header receive posted
+    per open rank and returns whichever completes first
+    (``afd_patches.connectors.arrivals``), the other slots zero-row; gloo only.
+    Either way ``send_ffn_output`` answers exactly the ranks whose inputs the
+    last ``recv_attn_output`` returned.
+
 Counting
     ``messages_sent`` / ``messages_received`` count tensor messages (one per
     layer, step, direction and peer); ``CLOSE`` headers are not counted.
@@ -129,7 +139,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from afd_patches import topology
+from afd_patches.config import SCHEDULES
 from afd_patches.connectors import auth, handshake, liveness
+from afd_patches.connectors.arrivals import Arrivals
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout, Meta
 from afd_patches.connectors.metrics import METRICS
 
@@ -155,7 +167,7 @@ POLL_MIN_S, POLL_MAX_S, POLL_IDLE_S = 2e-5, 1e-3, 1e-2  # NCCL polling backoff (
 CLOSE_WAIT_S = 2.0  # how long close() waits for each peer to take its CLOSE header
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # see "Timeouts and failures": idle is not a failure
 MAX_MESSAGE_BYTES = 1 << 30  # bound on one received tensor when the model's identity gives no tighter one
-EXTRA_KEYS = ("backend", "device", "idle_timeout_s", "inline_bytes")
+EXTRA_KEYS = ("backend", "device", "idle_timeout_s", "inline_bytes", "schedule")
 
 # Stable wire codes; a dtype missing from this torch build is simply not offered.
 DTYPE_CODES: dict[str, int] = {
@@ -282,7 +294,14 @@ class TorchDistConnector(Connector):
             raise ConnectorError(
                 f"connector_extra_config.inline_bytes={self.inline_bytes}: must be >= 0, and 0 unless backend is gloo"
             )
+        self.schedule = config.schedule
+        if self.schedule not in SCHEDULES or (self.schedule == "pingpong" and self.backend != "gloo"):
+            raise ConnectorError(f"connector_extra_config.schedule={self.schedule!r}: must be one of "
+                                 f"{list(SCHEDULES)}, and 'pingpong' needs backend gloo")
         self._pg: Any = None
+        self._answer: list[int] = []  # the peers whose inputs the last recv_attn_output returned
+        self._arrivals = Arrivals(f"afd-arrivals-{config.rank}")  # pingpong: header receives in arrival order
+        self._posted: dict[int, torch.Tensor] = {}  # pingpong: peer -> buffer of its posted header receive
         self._store: Any = None  # FFN rank 0: the TCPStore that took over the handshake's listening socket
         self._pending: list[tuple[Any, torch.Tensor, int, str]] = []  # (work, tensor kept alive, peer, what)
         self._closed_peers: set[int] = set()
@@ -306,7 +325,9 @@ class TorchDistConnector(Connector):
     def address(self) -> str:
         return f"{self.config.host}:{self.config.port}"
 
-    def _describe(self, peer: int) -> str:
+    def _describe(self, peer: int | None) -> str:
+        if peer is None:
+            return f"any served attention rank (group at {self.address})"
         role, rank = topology.role_of_global(peer, self.config.num_attention_ranks, self.config.num_ffn_ranks)
         return f"{role} rank {rank} (global rank {peer} of {self.world_size}, group at {self.address})"
 
@@ -420,6 +441,7 @@ class TorchDistConnector(Connector):
             "num_ffn_ranks": self.config.num_ffn_ranks,
             "backend": self.backend,
             "inline_bytes": self.inline_bytes,
+            "schedule": self.schedule,
         }
         fields.update(handshake.model_fields(self.identity))
         return handshake.Hello(self.role, self.config.rank, fields, device_identity(self.device))
@@ -476,6 +498,7 @@ class TorchDistConnector(Connector):
         if clean and not offered:
             clean = left and self._offer_close(pg)
         self._pending.clear()
+        self._arrivals.stop()
         self._broken = self._broken or "closed"
         if self._heartbeat is not None:
             self._heartbeat.stop(clean=clean)
@@ -516,7 +539,7 @@ class TorchDistConnector(Connector):
         if self._pg is None:
             raise ConnectorError(f"AFD connector of {self._me()} is not initialised (call init())")
 
-    def _fail(self, err: Exception, peer: int, what: str, timeout_s: float) -> ConnectorError:
+    def _fail(self, err: Exception, peer: int | None, what: str, timeout_s: float) -> ConnectorError:
         """Mark broken and translate a backend error into a connector error."""
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         low = str(err).lower()
@@ -743,8 +766,14 @@ class TorchDistConnector(Connector):
         ``ConnectorError``. A rank that sent ``CLOSE`` is idle from then on: its
         slot holds a zero-row tensor and it is sent nothing. ``ConnectorClosed``
         is raised once every served rank has closed.
+
+        With ``schedule: pingpong`` it returns the next layer of whichever rank
+        sent first instead; the other slots hold zero-row tensors, and
+        ``send_ffn_output`` answers only that rank.
         """
         self._check(topology.FFN)
+        if self.schedule == "pingpong" and len(self.peers) > 1:
+            return self._recv_first()
         while True:
             open_peers = [p for p in self.peers if p not in self._closed_peers]
             if not open_peers:
@@ -787,20 +816,65 @@ class TorchDistConnector(Connector):
         self.messages_received += len(received)
         METRICS.add("bytes_received", sum(t.numel() * t.element_size() for t, _ in received.values()))
         self._received_at = time.perf_counter()
+        self._answer = [peer for peer, _, _ in decoded]
         template = received[decoded[0][0]][0]
         tensors = [received[p][0] if p in received else template.new_empty((0, *template.shape[1:]))
                    for p in self.peers]
         rows = sum(t.shape[0] for t in tensors) if shape0 else 0
         return Meta(layer, step, (rows, *shape0[1:]) if shape0 else (), dtype0), tensors
 
+    def _recv_first(self) -> tuple[Meta, list[torch.Tensor]]:
+        """Pingpong: one layer's input from whichever served rank's header arrives first.
+
+        Every open rank has one header receive posted; ``Arrivals`` reports them in
+        completion order, so a rank that died is noticed while others are silent.
+        """
+        while True:
+            open_peers = [p for p in self.peers if p not in self._closed_peers]
+            if not open_peers:
+                self._broken = "all served attention ranks closed"
+                raise ConnectorClosed(f"AFD {self._me()}: every served attention rank closed")
+            for peer in open_peers:
+                if peer not in self._posted:
+                    message, work = self._post_header_recv(peer, "next attention output")
+                    self._posted[peer] = message
+                    self._arrivals.watch(peer, work, self.idle_timeout_s)
+            self._enter()  # close() from another thread sees this wait and breaks it
+            try:
+                got = self._arrivals.next(self.idle_timeout_s + CLOSE_WAIT_S)
+            finally:
+                self._leave()
+            if got is None:
+                raise self._fail(RuntimeError("timed out"), None, "next attention output", self.idle_timeout_s)
+            peer, err = got
+            message = self._posted.pop(peer)
+            if err is not None:
+                raise self._fail(err, peer, "next attention output (header)", self.idle_timeout_s)
+            header = decode_header(message)
+            if header.kind != KIND_CLOSE:
+                break
+            self._closed_peers.add(peer)
+        self._drain_sends()
+        what = f"attention output of layer {header.layer} step {header.step}"
+        tensor, work = self._recv_payload(message, header, peer, what)
+        if work is not None:
+            self._wait(work, peer, f"payload of {what}", self.timeout_s)
+        self.messages_received += 1
+        METRICS.add("bytes_received", tensor.numel() * tensor.element_size())
+        self._received_at = time.perf_counter()
+        self._answer = [peer]
+        tensors = [tensor if p == peer else tensor.new_empty((0, *tensor.shape[1:])) for p in self.peers]
+        return Meta(header.layer, header.step, tuple(tensor.shape), header.dtype), tensors
+
     def send_ffn_output(self, outputs: list[torch.Tensor], meta: Meta) -> None:
-        """Send ``outputs[i]`` to the i-th served attention rank, tagged with ``meta``'s layer and step."""
+        """Send ``outputs[i]`` to the i-th served attention rank, tagged with ``meta``'s layer and step
+        (only to the ranks whose inputs the last ``recv_attn_output`` returned)."""
         self._check(topology.FFN)
         if len(outputs) != len(self.peers):
             raise ConnectorError(f"AFD {self._me()}: {len(outputs)} outputs for {len(self.peers)} attention ranks")
         self._drain_sends()
         for tensor, peer in zip(outputs, self.peers, strict=True):
-            if peer not in self._closed_peers:
+            if peer in self._answer:
                 self._send_tensor(self._wire(tensor), peer, meta.layer, meta.step)
         METRICS.add("exchanges")
         METRICS.observe(time.perf_counter() - self._received_at)

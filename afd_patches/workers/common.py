@@ -28,10 +28,11 @@ FFN/attention kind) and, on the FFN role, ``afd_wait(timeout_s)`` which blocks
 until a group ended or the serve loop stopped, and re-raises its error. Both
 start the ``vllm:afd_*`` metrics writer (``afd_patches.connectors.metrics``).
 
-Lockstep (rA:1F): an idle vLLM engine does not step, yet the FFN rank waits
-for every attention rank it serves before its one batched call. So when an
-FFN rank serves more than one attention rank, each attention worker runs an
-idle ticker: after ``IDLE_TICK_S`` without a step it runs a zero-token step
+Lockstep (rA:1F, ``schedule: batched``): an idle vLLM engine does not step, yet
+the FFN rank waits for every attention rank it serves before its one batched
+call. So when an FFN rank serves more than one attention rank, each attention
+worker runs an idle ticker (not with ``schedule: pingpong``, where the FFN rank
+serves each rank's layer as it arrives): after ``IDLE_TICK_S`` without a step it runs a zero-token step
 (every layer, empty tensors) through the connector. Busy ranks then wait at most
 about ``IDLE_TICK_S`` per step for idle ones. Idle ranks' step ids differ from
 busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
@@ -43,8 +44,9 @@ moves every received batch to the FFN model's device and activation dtype
 before the MLP runs (a connector on another device, or gloo with a CUDA model,
 hands over host tensors).
 
-Limits: one connector per worker (no TP/PP inside a role); the FFN loop serves
-one layer message at a time (no micro-batch overlap); idle ticks cost empty
+Limits: one connector per worker (no TP/PP inside a role); the FFN loop runs
+one FFN call at a time (pingpong overlaps one rank's attention with another's
+FFN, not two FFN calls); idle ticks cost empty
 exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
 attention rank that shuts down counts as idle from then on; a group's
 membership is fixed, so with several attention ranks per FFN rank a new group
@@ -122,6 +124,30 @@ def _param_summary(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def _run_ffn(model: Any, layer: int, inputs: list[torch.Tensor], device: torch.device,
+             dtype: torch.dtype) -> list[torch.Tensor]:
+    """Layer ``layer``'s FFN over the rows of every input, one call, on the model's ``device`` in its
+    ``dtype``; outputs in the same order and shapes.
+
+    Zero-row inputs (idle ranks, and the ranks a pingpong receive did not come
+    from) are answered with themselves; with one non-empty input already on
+    ``device`` in ``dtype`` nothing is copied.
+    """
+    busy = [i for i, t in enumerate(inputs) if t.shape[0]]
+    if not busy:
+        return inputs
+    with torch.inference_mode():
+        if len(busy) == 1:
+            out = [model.afd_ffn(layer, inputs[busy[0]].to(device=device, dtype=dtype))]
+        else:
+            batch = torch.cat([inputs[i] for i in busy]).to(device=device, dtype=dtype)
+            out = list(torch.split(model.afd_ffn(layer, batch), [inputs[i].shape[0] for i in busy]))
+    outputs = list(inputs)
+    for i, o in zip(busy, out, strict=True):
+        outputs[i] = o
+    return outputs
+
+
 class _RoleBase:
     """Shared helpers; assumes a vLLM worker (``vllm_config``, ``model_runner``) further down the MRO."""
 
@@ -166,7 +192,7 @@ class AttentionRoleMixin(_RoleBase):
         self._afd_connector = connector
         model.afd_bind(connector)
         self._afd_ticker_stop = threading.Event()
-        if cfg.num_attention_ranks > cfg.num_ffn_ranks:
+        if cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched":
             threading.Thread(target=self._afd_tick, args=(model.afd_link(),), name=f"afd-idle-{cfg.rank}",
                              daemon=True).start()
 
@@ -341,12 +367,7 @@ class FfnRoleMixin(_RoleBase):
                 if self._afd_stop.is_set():
                     return
                 raise
-            sizes = [t.shape[0] for t in inputs]
-            with torch.inference_mode():
-                batch = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-                out = model.afd_ffn(meta.layer, batch.to(device=device, dtype=dtype))
-                outputs = [out] if len(inputs) == 1 else list(torch.split(out, sizes))
-            conn.send_ffn_output(outputs, meta)
+            conn.send_ffn_output(_run_ffn(model, meta.layer, inputs, device, dtype), meta)
             self._afd_batches += 1
 
     def _afd_stop_engine(self) -> None:

@@ -183,3 +183,17 @@ def test_to_dict_parses_again(tmp_path, no_token: None) -> None:
     path.chmod(0o600)
     cfg = parse({"role": "ffn", "host": "10.0.0.1", "token_file": str(path)})
     assert parse(cfg.to_dict()) == cfg
+
+
+def test_schedule_defaults_to_batched_and_accepts_pingpong():
+    assert parse({"role": "ffn"}).schedule == "batched"
+    cfg = parse({"role": "ffn", "connector_extra_config": {"schedule": "pingpong", "inline_bytes": 0}})
+    assert cfg.schedule == "pingpong" and cfg.connector_extra_config["inline_bytes"] == 0
+
+
+@pytest.mark.parametrize("value", ["lockstep", "", 1, None])
+def test_bad_schedule_names_the_nested_key(value):
+    with pytest.raises(AfdConfigError) as err:
+        parse({"role": "ffn", "connector_extra_config": {"schedule": value}})
+    assert 'additional_config["afd"]["connector_extra_config"]["schedule"]' in str(err.value)
+    assert "batched" in str(err.value) and "pingpong" in str(err.value)

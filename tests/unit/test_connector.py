@@ -336,6 +336,40 @@ def test_2a1f_batched_with_idle_rank() -> None:
     assert [m[2][0] for m in f["metas"][::layers]] == [4, 2, 5, 4]  # batched rows per step
 
 
+def test_2a1f_pingpong_serves_each_rank_as_it_arrives() -> None:
+    """``schedule: pingpong``: one FFN call per rank and layer-step, no lockstep (rank 1 closes after one
+    step while rank 0 goes on; rank 1 runs zero-token steps only at its own pace); each rank gets its own
+    rows back exactly, and the ranks' steps interleave freely (rank 0's step 3 may come before rank 1's 0)."""
+    port, layers = free_port(), 2
+    plans = {0: [4, 0, 2, 1100], 1: [5]}  # 1100 rows: header and payload travel apart
+    queue = _CTX.Queue()
+    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2, schedule="pingpong"), queue)]
+    procs += [start(attention_worker, make_config("attention", r, port, a=2, schedule="pingpong"), plan, layers,
+                    queue) for r, plan in plans.items()]
+    got = collect(queue, {"ffn0", "attention0", "attention1"}, 45)
+    _join_all(procs, 10)
+    total = 0
+    for r, plan in plans.items():
+        n = layers * len(plan)
+        total += n
+        assert got[f"attention{r}"] == {"error": None, "mismatches": 0, "sent": n, "received": n}
+    f = got["ffn0"]
+    assert f["error"] == "ConnectorClosed", f
+    assert (f["calls"], f["sent"], f["received"]) == (total, total, total)
+    assert sorted(m[2][0] for m in f["metas"]) == sorted(t for plan in plans.values() for t in plan
+                                                       for _ in range(layers))
+
+
+def test_schedule_must_be_known_and_pingpong_needs_gloo() -> None:
+    with pytest.raises(ConnectorError, match="schedule='lockstep'"):
+        TorchDistConnector(make_config("ffn", 0, 1, schedule="lockstep"))
+    with pytest.raises(ConnectorError, match="'pingpong' needs backend gloo"):
+        TorchDistConnector(make_config("ffn", 0, 1, schedule="pingpong", backend="nccl", inline_bytes=0,
+                                       device="cpu"))
+    conn = TorchDistConnector(make_config("attention", 0, 1, schedule="pingpong"))
+    assert conn.schedule == "pingpong" and conn._hello().fields["schedule"] == "pingpong"
+
+
 def test_2a1f_rank_that_closes_early_leaves_the_other_served() -> None:
     """Rank 1 finishes after one step and closes; the FFN keeps serving rank 0 until it closes too."""
     port, layers = free_port(), 2
@@ -583,22 +617,26 @@ def test_port_in_use_by_another_program(talks: bool) -> None:
         assert timeout_s - 0.5 < a["elapsed"] < timeout_s + SLACK_S, a
 
 
-def test_attention_killed_while_ffn_waits_idle_is_noticed_at_once() -> None:
+@pytest.mark.parametrize("schedule,a", [("batched", 1), ("pingpong", 2)])
+def test_attention_killed_while_ffn_waits_idle_is_noticed_at_once(schedule: str, a: int) -> None:
     """An idle but live attention rank keeps the FFN waiting; once it is killed, the FFN's idle wait
-    (a week by default) ends at once with an error naming the lost rank and the group."""
+    (a week by default) ends at once with an error naming the lost rank and the group (pingpong: while
+    the other rank stays silent)."""
     port = free_port()
     queue = _CTX.Queue()
-    procs = [
-        start(ffn_worker, make_config("ffn", 0, port), queue),
-        start(silent_attention_worker, make_config("attention", 0, port), queue, 60.0),
-    ]
-    collect(queue, {"attention-joined"}, 30)
+    procs = [start(ffn_worker, make_config("ffn", 0, port, a=a, schedule=schedule), queue)]
+    procs += [start(silent_attention_worker, make_config("attention", r, port, a=a, schedule=schedule), queue, 60.0)
+              for r in range(a)]
+    for _ in range(a):
+        collect(queue, {"attention-joined"}, 30)
     with pytest.raises(queue_mod.Empty):
         queue.get(timeout=2.0)  # alive and idle: the FFN keeps serving (nothing reported)
     t0 = time.monotonic()
     os.kill(procs[1].pid, signal.SIGKILL)
     res = collect(queue, {"ffn0"}, 2 * SLACK_S)["ffn0"]
     elapsed = time.monotonic() - t0
+    for p in procs[2:]:
+        p.kill()  # the other silent rank
     _join_all(procs, 10)
     print(f"{elapsed:.2f}s", res["message"])
     assert res["error"] == "ConnectorError", res
@@ -679,3 +717,27 @@ def test_close_from_another_thread_while_serve_loop_blocked_returns_in_bound() -
     bound = CLOSE_WAIT_S + SLACK_S
     assert not res["thread_alive"] and res["error"] == "ConnectorClosed", res
     assert res["close_s"] < bound and res["thread_s"] < bound, res
+
+
+def test_run_ffn_calls_the_ffn_once_on_the_busy_rows_only() -> None:
+    """The FFN role's per-message work: empty inputs (idle ranks, other ranks in pingpong) are answered
+    with themselves and never reach the FFN; one busy input goes in without a copy; several in one call."""
+    from afd_patches.workers.common import _run_ffn
+
+    class Model:
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, torch.Tensor]] = []
+
+        def afd_ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+            self.calls.append((layer, x))
+            return ffn(x)
+
+    empty, a, b = torch.empty(0, HIDDEN), attn_input(0, 1, 0, 3), attn_input(1, 1, 0, 2)
+    cpu_f32 = (torch.device("cpu"), torch.float32)  # already there: nothing is copied
+    model = Model()
+    assert _run_ffn(model, 1, [empty, empty], *cpu_f32) == [empty, empty] and model.calls == []
+    out = _run_ffn(model, 1, [empty, a], *cpu_f32)
+    assert out[0] is empty and torch.equal(out[1], ffn(a)) and model.calls[0][1] is a
+    out = _run_ffn(model, 1, [a, empty, b], *cpu_f32)
+    assert len(model.calls) == 2 and model.calls[1][1].shape == (5, HIDDEN)
+    assert torch.equal(out[0], ffn(a)) and out[1] is empty and torch.equal(out[2], ffn(b))

@@ -1,0 +1,336 @@
+"""AFD behind vLLM's OpenAI server under load, against a plain server, interleaved in one run.
+
+Starts a plain API server and one AFD deployment per schedule in ``--schedules``
+(one FFN server, then ``--attention-ranks`` attention servers; ``--baseline DIR``
+adds one more running the afd-plugin checkout in DIR, e.g. main's) on a tiny
+float32 Llama with a tiny tokenizer, all on 127.0.0.1. Then:
+
+1. Idle CPU: every server sits idle for ``--idle-s`` seconds; the CPU time of
+   each server's processes (front end, engine core, worker) over that window,
+   as a percentage of one core.
+2. Load, ``--rounds`` times, the order of the sides rotating every round:
+   ``--requests`` concurrent greedy completions of ``--tokens`` tokens each
+   (``ignore_eos``), sent with the ``openai`` client (round-robin over the
+   attention servers); decode tok/s = completion tokens / wall time of the batch.
+   Every round checks AFD's completions equal plain's.
+3. Where an AFD exchange's time goes: the roles' ``vllm:afd_exchange_latency_seconds``
+   from ``/metrics`` (attention side: send to answer; FFN side: inputs complete to
+   outputs posted), as means over the load rounds; with ``--timings`` also the
+   per-call means of the benchmark-only counters in ``timing_hook/``. And each
+   side's CPU time per generated token during its own rounds, per server and
+   process (front end, engine core, worker).
+
+``--bind`` sets ``VLLM_CPU_OMP_THREADS_BIND`` for every server (vLLM's default,
+``auto``, when not given), ``--ffn-bind`` for the FFN server alone; ``--pin`` runs the plain server and the attention
+servers on core 0 and the FFN server on core 1 (taskset), else nothing is pinned.
+Prints one table; nothing is written.
+
+    python benchmarks/afd_server_load.py [--attention-ranks 1] [--schedules batched,pingpong] [--rounds 3]
+        [--timings] [--baseline DIR] [--bind MASK] [--ffn-bind MASK] [--pin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from afd_engine import free_port
+from tiny_model import build
+from tiny_tokenizer import build_tokenizer
+from vllm_run import REPO, vllm_env
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 400.0
+SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+class Server:
+    """One API server in its own session (so its engine core and worker are found and stopped with it)."""
+
+    def __init__(self, name: str, model: Path, log_dir: Path, extra: list[str], env: dict[str, str],
+                 cpus: str | None) -> None:
+        self.name, self.port = name, free_port()
+        args = [*SERVER, "--model", str(model), "--host", HOST, "--port", str(self.port), "--enforce-eager",
+                "--max-model-len", "256", "--dtype", "float32", "--seed", "0", "--max-num-seqs", "16",
+                "--max-num-batched-tokens", "256", "--kv-cache-memory-bytes", str(64 << 20), *extra]
+        if cpus:
+            args = ["taskset", "-c", cpus, *args]
+        self.log = log_dir / f"{name}.log"
+        with self.log.open("wb") as fh:
+            self.proc = subprocess.Popen(args, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
+                                         start_new_session=True)
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy in {START_TIMEOUT_S}s:\n{self.log.read_text()[-3000:]}")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the server and every process below it, so far."""
+        import psutil
+
+        total = 0.0
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root, *root.children(recursive=True)]:
+                t = p.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            pass
+        return total
+
+    def cpu_by_process(self) -> dict[str, float]:
+        """CPU seconds so far per process kind: ``front`` (the API server), ``EngineCore``, ``Worker``."""
+        import psutil
+
+        out: dict[str, float] = {}
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root, *root.children(recursive=True)]:
+                name = p.name()
+                kind = "front" if p.pid == root.pid else next(
+                    (k for k in ("EngineCor", "Worker") if k in name), "other")
+                t = p.cpu_times()
+                out[kind] = out.get(kind, 0.0) + t.user + t.system
+        except psutil.Error:
+            pass
+        return out
+
+    def latency(self) -> tuple[float, float]:
+        """(sum of seconds, count) of this server's AFD exchange-latency histogram."""
+        with urllib.request.urlopen(f"http://{HOST}:{self.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        total = re.search(r'^vllm:afd_exchange_latency_seconds_sum\{[^}]*\} (\S+)', text, re.M)
+        count = re.search(r'^vllm:afd_exchange_latency_seconds_count\{[^}]*\} (\S+)', text, re.M)
+        return (float(total.group(1)), float(count.group(1))) if total and count else (0.0, 0.0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+async def _load(ports: list[int], model: Path, requests: int, tokens: int) -> tuple[float, list[str]]:
+    """``requests`` concurrent completions over ``ports``; (completion tokens per second, texts)."""
+    from openai import AsyncOpenAI
+
+    clients = [AsyncOpenAI(base_url=f"http://{HOST}:{p}/v1", api_key="none", timeout=600) for p in ports]
+
+    async def one(i: int) -> tuple[int, str]:
+        prompt = [(7 * i + j) % 500 + 1 for j in range(8)]
+        r = await clients[i % len(clients)].completions.create(
+            model=str(model), prompt=prompt, max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
+        return r.usage.completion_tokens, r.choices[0].text
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(one(i) for i in range(requests)))
+    wall = time.perf_counter() - t0
+    for c in clients:
+        await c.close()
+    return sum(n for n, _ in done) / wall, [text for _, text in done]
+
+
+def load(ports: list[int], model: Path, requests: int, tokens: int) -> tuple[float, list[str]]:
+    return asyncio.run(_load(ports, model, requests, tokens))
+
+
+def idle_cpu(servers: list[Server], seconds: float) -> list[float]:
+    """Percent of one core each server used over ``seconds`` of idleness."""
+    before = [s.cpu_seconds() for s in servers]
+    time.sleep(seconds)
+    return [100 * (s.cpu_seconds() - b) / seconds for s, b in zip(servers, before, strict=True)]
+
+
+def read_timings(folder: Path) -> dict[str, list[float]]:
+    """Sum over processes of the timing hook's counters (name -> [calls, seconds]); {} without ``--timings``."""
+    totals: dict[str, list[float]] = {}
+    for path in folder.glob("*.json") if folder.is_dir() else []:
+        for name, (calls, seconds) in json.loads(path.read_text()).items():
+            slot = totals.setdefault(name, [0, 0.0])
+            slot[0] += calls
+            slot[1] += seconds
+    return totals
+
+
+class Deployment:
+    """One AFD deployment: an FFN server, then its attention servers (started by ``start_attention``)."""
+
+    def __init__(self, label: str, schedule: str, ranks: int, model: Path, work: Path, env: dict[str, str],
+                 args: argparse.Namespace) -> None:
+        self.label, self.model, self.work, self.env, self.args = label, model, work, env, args
+        self.afd = {"port": free_port(), "host": HOST, "num_attention_ranks": ranks, "timeout_s": 300,
+                    "connector_extra_config": {"schedule": schedule}}
+        ffn_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": args.ffn_bind} if args.ffn_bind else env
+        self.ffn = Server(f"{label}-ffn", model, work, [*ARCH, "--afd-role", "ffn", "--additional-config",
+                                                        json.dumps({"afd": self.afd})],
+                          ffn_env, "1" if args.pin else None)
+        self.attns: list[Server] = []
+
+    def start_attention(self) -> None:
+        for r in range(self.afd["num_attention_ranks"]):
+            cfg = {"afd": {**self.afd, "rank": r}}
+            self.attns.append(Server(f"{self.label}-attention{r}", self.model, self.work,
+                                     [*ARCH, "--afd-role", "attention", "--additional-config", json.dumps(cfg)],
+                                     self.env, "0" if self.args.pin else None))
+
+    @property
+    def servers(self) -> list[Server]:
+        return [self.ffn, *self.attns]
+
+
+ARCH = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attention-ranks", type=int, default=1)
+    parser.add_argument("--schedules", default="batched", help="comma-separated: one deployment each")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout of another afd-plugin version: one more deployment (first schedule) runs it")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--idle-s", type=float, default=30.0)
+    parser.add_argument("--bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for every server")
+    parser.add_argument("--ffn-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for the FFN servers only")
+    parser.add_argument("--pin", action="store_true", help="plain+attention on core 0, FFN on core 1")
+    parser.add_argument("--timings", action="store_true", help="per-call timing counters (timing_hook/)")
+    args = parser.parse_args()
+    env = vllm_env(PYTHONUNBUFFERED="1")
+    if args.bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
+    schedules = args.schedules.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        hook = [str(Path(__file__).resolve().parent / "timing_hook")] if args.timings else []
+        model = build_tokenizer(build(work / "tiny-llama", "llama"), vocab_size=512)
+        servers: list[Server] = []
+        deployments: list[Deployment] = []
+        try:
+            plain = Server("plain", model, work, [], env, "0" if args.pin else None)
+            servers.append(plain)
+            variants: list[tuple[str, Path | None]] = [(s, None) for s in schedules]
+            if args.baseline:
+                variants.append((schedules[0], args.baseline.resolve()))
+            for schedule, tree in variants:
+                label = f"{'base-' if tree else ''}{schedule}"
+                timings = work / f"timings-{label}"
+                extra: dict[str, str] = {}
+                if args.timings:
+                    timings.mkdir()
+                    extra["AFD_TIMINGS_DIR"] = str(timings)
+                path = [*hook, *([str(tree)] if tree else []), env.get("PYTHONPATH", "")]
+                dep = Deployment(label, schedule, args.attention_ranks, model, work,
+                                 {**env, **extra, "PYTHONPATH": os.pathsep.join(p for p in path if p)}, args)
+                deployments.append(dep)
+                servers.append(dep.ffn)
+            for s in list(servers):
+                s.wait_healthy()
+            for dep in deployments:
+                dep.start_attention()
+                servers += dep.attns
+            for dep in deployments:
+                for a in dep.attns:
+                    a.wait_healthy()
+            targets = {"plain": [plain.port], **{d.label: [a.port for a in d.attns] for d in deployments}}
+            for ports in targets.values():
+                load(ports, model, 4, 8)  # warm-up
+            time.sleep(3.0)
+            idle = idle_cpu(servers, args.idle_s)
+            before = {d.label: (read_timings(work / f"timings-{d.label}"), d.attns[0].latency(), d.ffn.latency())
+                      for d in deployments}
+            tps: dict[str, list[float]] = {label: [] for label in targets}
+            groups = {"plain": [plain], **{d.label: d.servers for d in deployments}}
+            cpu: dict[str, float] = {}
+            loadavg = []
+            labels = list(targets)
+            for r in range(args.rounds):
+                order = labels[r % len(labels):] + labels[:r % len(labels)]
+                texts = {}
+                for label in order:
+                    cpu0 = [s.cpu_by_process() for s in groups[label]]
+                    rate, texts[label] = load(targets[label], model, args.requests, args.tokens)
+                    for s, c0 in zip(groups[label], cpu0, strict=True):
+                        for kind, c in s.cpu_by_process().items():
+                            key = f"{label} {s.name.removeprefix(label + '-')} {kind}"
+                            cpu[key] = cpu.get(key, 0.0) + c - c0.get(kind, 0.0)
+                    tps[label].append(rate)
+                loadavg.append(os.getloadavg()[0])
+                if any(texts[label] != texts["plain"] for label in labels):
+                    raise SystemExit(f"round {r}: AFD completions differ from plain's")
+            time.sleep(2.5)  # metric snapshots are written every 0.5 s, timing counters every 2 s
+            after = {d.label: (read_timings(work / f"timings-{d.label}"), d.attns[0].latency(), d.ffn.latency())
+                     for d in deployments}
+        finally:
+            for s in reversed(servers):
+                s.stop()
+    report(args, tps, loadavg, before, after, servers, idle)
+    tokens = args.rounds * args.requests * args.tokens
+    print("CPU per generated token (ms) during each side's own rounds, per server and process:")
+    for label in tps:
+        parts = {k: c for k, c in cpu.items() if k.split(" ", 1)[0] == label}
+        print(f"  {label}: total {1e3 * sum(parts.values()) / tokens:.2f}; "
+              + ", ".join(f"{k.split(' ', 1)[1]} {1e3 * c / tokens:.2f}" for k, c in sorted(parts.items())))
+
+
+def report(args: argparse.Namespace, tps: dict[str, list[float]], loadavg: list[float], before: dict[str, Any],
+           after: dict[str, Any], servers: list[Server], idle: list[float]) -> None:
+    """Print the figures (see the module docstring)."""
+    print(f"tiny Llama, OpenAI server, {args.requests} concurrent x {args.tokens} tokens, greedy, float32; "
+          f"AFD {args.attention_ranks}A1F; bind={args.bind or 'auto (default)'}, "
+          f"FFN bind={args.ffn_bind or args.bind or 'auto (default)'}, "
+          f"pin={'plain+attention core 0, FFN core 1' if args.pin else 'none'}; rounds rotate the order")
+    print(f"load average (1 min) after each round: {', '.join(f'{x:.1f}' for x in loadavg)}")
+    for label, rates in tps.items():
+        line = f"{label:16s} tok/s per round: {', '.join(f'{x:6.0f}' for x in rates)}  median {median(rates):6.0f}"
+        if label != "plain":
+            ratios = [a / p for a, p in zip(rates, tps["plain"], strict=True)]
+            line += f"; / plain: {', '.join(f'{x:.2f}' for x in ratios)}, median {median(ratios):.2f}"
+        print(line)
+    print("completions equal plain's in every round")
+    for label, (t0, (a0, an0), (f0, fn0)) in before.items():
+        t1, (a1, an1), (f1, fn1) = after[label]
+        if an1 > an0:
+            print(f"{label}: attention rank 0 {an1 - an0:.0f} exchanges, mean {1e3 * (a1 - a0) / (an1 - an0):.2f} ms "
+                  f"send-to-answer; FFN {fn1 - fn0:.0f} calls, mean {1e3 * (f1 - f0) / max(fn1 - fn0, 1):.2f} ms "
+                  "inputs-to-outputs")
+        for name, (calls, seconds) in sorted(t1.items()):
+            c0, s0 = t0.get(name, [0, 0.0])
+            if calls > c0:
+                print(f"  {name:40s} {calls - c0:7.0f} calls, mean {1e3 * (seconds - s0) / (calls - c0):6.2f} ms")
+    print(f"idle CPU over {args.idle_s:.0f} s, % of one core: "
+          + ", ".join(f"{s.name} {x:.1f}" for s, x in zip(servers, idle, strict=True)))
+    for label in before:
+        print(f"  {label} deployment in all: "
+              f"{sum(x for s, x in zip(servers, idle, strict=True) if s.name.startswith(label + '-')):.1f}")
+
+
+if __name__ == "__main__":
+    main()
