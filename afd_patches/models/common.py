@@ -4,12 +4,17 @@
 (``class AFDLlamaForCausalLM(AfdCausalLMMixin, LlamaForCausalLM)``). It reads
 the role from ``vllm_config.additional_config["afd"]`` and:
 
-- attention role: builds vLLM's model unchanged (delegating to its
-  ``__init__``), then replaces each decoder layer's FFN module (attribute
-  ``afd_ffn_attr``, ``mlp`` for Llama/Qwen) by an ``AfdFfnProxy``, which has no
-  parameters. Every layer call sends the post-attention-norm hidden states
-  through the connector and returns what comes back. ``load_weights`` drops the
-  FFN weights before delegating to vLLM.
+- attention role: delegates to vLLM's ``__init__`` while the names under which
+  the decoder layer's module refers to its FFN classes (``afd_ffn_classes``,
+  looked up in the module of ``afd_decoder_layer``) are bound to parameter-free
+  proxy classes (``proxy_type``). vLLM's decoder layers therefore build an
+  ``AfdFfnProxy`` in place of each MLP/MoE block: no FFN parameter, buffer or
+  forward-context entry is ever created on this role, on any device. A proxy
+  is also an instance of the FFN class it stands in for, so vLLM's own type
+  checks (MoE bookkeeping, DeepSeek's float16 rescaling of dense MLP outputs)
+  behave as without AFD; MoE proxies report no experts. Every layer call sends
+  the post-attention-norm hidden states through the connector and returns what
+  comes back. ``load_weights`` drops the FFN weights before delegating to vLLM.
 - FFN role: builds only ``model.layers[i].<afd_ffn_attr>`` (via the subclass's
   ``afd_build_ffn``), so parameter names match the checkpoint, and loads only
   those weights. ``afd_ffn(layer, x)`` runs one layer's FFN; ``forward`` is
@@ -17,17 +22,23 @@ the role from ``vllm_config.additional_config["afd"]`` and:
 
 Limits: no pipeline parallelism (every layer must be local), no torch.compile
 or CUDA graphs on the attention side (the exchange is a Python-level call;
-use ``enforce_eager=True``), no LoRA on FFN modules. On the attention role the
-FFN modules exist briefly while vLLM builds the model and are freed before
-weight loading; peak memory during construction is that of the full model.
+use ``enforce_eager=True``), no LoRA on FFN modules. The rebinding lasts for
+the attention model's ``__init__`` only, under a process-wide lock: another
+thread that builds a plain model of the same vLLM module at that moment would
+get proxies too (vLLM builds one model per worker process). A vLLM whose
+decoder layer stops naming an FFN class in its module is refused with an error
+naming the class; one that builds an FFN module some other way is refused after
+construction (a layer without a proxy).
 """
 
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -105,7 +116,7 @@ class AfdFfnProxy(nn.Module):
     """Stands in for a decoder layer's MLP/MoE on the attention role; holds no parameters."""
 
     def __init__(self, link: AfdLink, layer: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): in a proxy_type the FFN class follows in the MRO
         self.layer = layer
         self._link = link  # a plain object, not a submodule
 
@@ -116,6 +127,73 @@ class AfdFfnProxy(nn.Module):
         return f"layer={self.layer}"
 
 
+class _NoExperts:
+    """MoE bookkeeping a proxy for a MoE block reports to vLLM's model ``__init__``: no local experts."""
+
+    experts = None
+    n_logical_experts = n_physical_experts = n_local_physical_experts = 0
+    n_routed_experts = n_shared_experts = n_redundant_experts = 0
+    is_fused_shared_expert_enabled = False
+
+
+_BUILDING = threading.local()  # .link: the AfdLink of the attention model this thread is building
+_REBIND_LOCK = threading.Lock()
+_PROXY_TYPES: dict[tuple[type, bool], type] = {}
+_LAYER_OF_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.[^.]+$")
+
+
+def _proxy_init(self: AfdFfnProxy, *args: Any, **kwargs: Any) -> None:
+    """Construct a proxy from the arguments vLLM's decoder layer passes to the FFN class (only ``prefix`` is read)."""
+    link = getattr(_BUILDING, "link", None)
+    if link is None:
+        raise RuntimeError(f"{type(self).__name__} is built only while an AFD attention-role model is built")
+    prefix = kwargs.get("prefix", "")
+    match = _LAYER_OF_PREFIX.search(prefix) if isinstance(prefix, str) else None
+    if match is None:
+        raise RuntimeError(f"AFD: an FFN module was built with prefix {prefix!r}, which names no decoder layer")
+    AfdFfnProxy.__init__(self, link, int(match.group(1)))
+
+
+def proxy_type(ffn_cls: type[nn.Module], moe: bool = False) -> type[AfdFfnProxy]:
+    """The parameter-free proxy class standing in for ``ffn_cls`` (one per class, cached).
+
+    It subclasses ``AfdFfnProxy`` (whose ``forward`` wins) and ``ffn_cls`` (for
+    ``isinstance``), and its constructor accepts ``ffn_cls``'s arguments without
+    running ``ffn_cls.__init__``. ``moe``: also report no experts (``_NoExperts``).
+    """
+    key = (ffn_cls, moe)
+    if key not in _PROXY_TYPES:
+        bases = (AfdFfnProxy, _NoExperts, ffn_cls) if moe else (AfdFfnProxy, ffn_cls)
+        _PROXY_TYPES[key] = type(f"Afd{ffn_cls.__name__}Proxy", bases, {
+            "__init__": _proxy_init, "__module__": __name__,
+            "__doc__": f"Attention-role proxy for vLLM's ``{ffn_cls.__name__}`` (see ``proxy_type``)."})
+    return _PROXY_TYPES[key]
+
+
+@contextmanager
+def _ffn_classes_rebound(namespace: dict[str, Any], proxies: dict[type, type], link: AfdLink) -> Iterator[None]:
+    """Bind every name in ``namespace`` that refers to a key of ``proxies`` to its proxy, for the block.
+
+    ``namespace`` is the globals of the module whose decoder layer builds the
+    FFN modules; this thread builds ``link``'s model meanwhile. Restored on exit.
+    """
+    names = {name: proxies[value] for name, value in list(namespace.items())
+             if isinstance(value, type) and value in proxies}
+    missing = set(proxies) - {value for name, value in namespace.items() if name in names}
+    if missing:
+        raise RuntimeError(f"AFD: {namespace.get('__name__')} no longer names "
+                           f"{', '.join(sorted(c.__name__ for c in missing))}; this vLLM is not supported")
+    with _REBIND_LOCK:
+        saved = {name: namespace[name] for name in names}
+        namespace.update(names)
+        _BUILDING.link = link
+        try:
+            yield
+        finally:
+            _BUILDING.link = None
+            namespace.update(saved)
+
+
 def afd_config_of(vllm_config: Any) -> AfdConfig:
     """The AFD config of ``vllm_config``; an AFD architecture without one is an error."""
     cfg = from_additional_config(getattr(vllm_config, "additional_config", None))
@@ -124,23 +202,25 @@ def afd_config_of(vllm_config: Any) -> AfdConfig:
     return cfg
 
 
-def _forget_registered_layers(vllm_config: Any, removed: nn.Module) -> None:
-    """Drop ``removed``'s submodules from vLLM's static forward context (e.g. FusedMoE layers)."""
-    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
-    if not context:
-        return
-    owned = {id(m) for m in removed.modules()}
-    for name in [n for n, m in context.items() if id(m) in owned]:
-        del context[name]
+def build_dense_mlp(mlp_cls: type[nn.Module], vllm_config: Any, prefix: str, **extra: Any) -> nn.Module:
+    """``mlp_cls`` built with the keyword arguments vLLM's decoder layers give a dense MLP (plus ``extra``)."""
+    config = vllm_config.model_config.hf_text_config
+    return mlp_cls(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                   hidden_act=config.hidden_act, quant_config=vllm_config.quant_config, prefix=prefix, **extra)
 
 
 class AfdCausalLMMixin(nn.Module):
     """Role split for a vLLM ``*ForCausalLM``; put it before the vLLM class in the bases.
 
-    Subclasses set ``afd_ffn_attr`` and implement ``afd_build_ffn``; they may
-    override ``afd_is_ffn_weight`` and ``afd_load_ffn_weights``.
+    Subclasses set ``afd_decoder_layer``, ``afd_ffn_classes`` (with
+    ``afd_moe_classes`` among them, if any) and ``afd_ffn_attr``, and implement
+    ``afd_build_ffn``; they may override ``afd_is_ffn_weight``,
+    ``afd_load_ffn_weights`` and ``afd_check_attention_layers``.
     """
 
+    afd_decoder_layer: ClassVar[type[nn.Module]]  # its module names the FFN classes it builds
+    afd_ffn_classes: ClassVar[tuple[type[nn.Module], ...]]  # every class it may build as ``afd_ffn_attr``
+    afd_moe_classes: ClassVar[tuple[type[nn.Module], ...]] = ()  # those of them that hold experts
     afd_ffn_attr: ClassVar[str] = "mlp"
     afd_needs_forward_context: ClassVar[bool] = False  # e.g. FusedMoE looks itself up in it
     _FFN_WEIGHT: ClassVar[re.Pattern[str]] = re.compile(r"(^|\.)layers\.\d+\.mlp\.")
@@ -151,12 +231,16 @@ class AfdCausalLMMixin(nn.Module):
     def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
         cfg = afd_config_of(vllm_config)
         if cfg.role == ATTENTION:
-            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
+            hf_config = vllm_config.model_config.hf_text_config
+            link = AfdLink(hf_config.num_hidden_layers, hf_config.hidden_size, vllm_config.model_config.dtype)
+            proxies = {cls: proxy_type(cls, cls in self.afd_moe_classes) for cls in self.afd_ffn_classes}
+            namespace = sys.modules[self.afd_decoder_layer.__module__].__dict__
+            with _ffn_classes_rebound(namespace, proxies, link):
+                super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
             self.afd_role = ATTENTION
-            hf_config = vllm_config.model_config.hf_config
-            self._afd_link = AfdLink(hf_config.num_hidden_layers, hf_config.hidden_size,
-                                     vllm_config.model_config.dtype)
-            self._afd_install_proxies(vllm_config)
+            self._afd_link = link
+            self.afd_check_attention_layers()
+            self._afd_forget_experts()
         else:
             nn.Module.__init__(self)  # the vLLM model's own __init__ would build attention and KV layers
             self.afd_role = FFN
@@ -182,16 +266,27 @@ class AfdCausalLMMixin(nn.Module):
     def _afd_layers(self) -> nn.ModuleList:
         return self.model.layers  # type: ignore[no-any-return, union-attr, attr-defined]
 
-    def _afd_install_proxies(self, vllm_config: Any) -> None:
+    def afd_check_attention_layers(self) -> None:
+        """Attention role, after construction: every decoder layer is local and holds a proxy as its FFN."""
         from vllm.model_executor.models.utils import PPMissingLayer
 
         layers = self._afd_layers()
         if any(isinstance(layer, PPMissingLayer) for layer in layers):
             raise ValueError("AFD does not support pipeline parallelism (some decoder layers are not local)")
         for idx, layer in enumerate(layers):
-            old = getattr(layer, self.afd_ffn_attr)
-            setattr(layer, self.afd_ffn_attr, AfdFfnProxy(self._afd_link, idx))
-            _forget_registered_layers(vllm_config, old)
+            ffn = getattr(layer, self.afd_ffn_attr, None)
+            if not isinstance(ffn, AfdFfnProxy) or ffn.layer != idx:
+                raise RuntimeError(f"AFD attention role: decoder layer {idx} built {type(ffn).__name__} as "
+                                   f"{self.afd_ffn_attr!r}, not a proxy; this vLLM builds its FFN modules "
+                                   "in a way AFD does not support")
+
+    def _afd_forget_experts(self) -> None:
+        """Attention role: vLLM's MoE bookkeeping lists no experts (they live on the FFN role)."""
+        if hasattr(self, "moe_layers"):
+            self.moe_layers = []
+            self.num_moe_layers = 0
+        if hasattr(self, "moe_mlp_layers"):
+            self.moe_mlp_layers = []
 
     def _afd_build_ffn_model(self, vllm_config: Any, prefix: str) -> None:
         from vllm.model_executor.models.utils import maybe_prefix

@@ -10,10 +10,12 @@ decoder layer would build for each layer, with the same arguments, so
 parameter names match the checkpoint (``model.layers.N.mlp.*``).
 
 Attention role: the attention side keeps vLLM's MLA (or MHA) attention, norms,
-embeddings and LM head. A dense layer's proxy is also an instance of
-``DeepseekV2MLP`` (it builds none of its layers), so vLLM's decoder layer
-applies its own float16 overflow rescaling of dense-MLP outputs exactly as it
-does without AFD; MoE layers rescale inside ``DeepseekV2MoE`` on the FFN role.
+embeddings and LM head; ``DeepseekV2DecoderLayer`` builds proxies in place of
+``DeepseekV2MoE`` and ``DeepseekV2MLP``. A dense layer's proxy is also an
+instance of ``DeepseekV2MLP`` (it builds none of its layers), so vLLM's decoder
+layer applies its own float16 overflow rescaling of dense-MLP outputs exactly
+as it does without AFD; MoE layers rescale inside ``DeepseekV2MoE`` on the FFN
+role.
 
 FFN role: checkpoint names are mapped onto vLLM's fused parameters
 (``gate_proj``/``up_proj`` -> ``gate_up_proj`` for dense MLPs and shared
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 from vllm._aiter_ops import rocm_aiter_ops
 from vllm.model_executor.models.deepseek_v2 import (
+    DeepseekV2DecoderLayer,
     DeepseekV2ForCausalLM,
     DeepseekV2MLP,
     DeepseekV2MoE,
@@ -49,7 +52,7 @@ from vllm.model_executor.models.utils import (
     get_spec_layer_idx_from_weight_name,
 )
 
-from afd_patches.models.common import ATTENTION, AfdCausalLMMixin, AfdFfnProxy
+from afd_patches.models.common import ATTENTION, AfdCausalLMMixin, build_dense_mlp
 
 # Checkpoint -> vLLM names of the FFN role's fused dense projections. Routed
 # experts (``mlp.experts.E.*``) do not match and go to FusedMoE's own loader.
@@ -72,34 +75,18 @@ def is_moe_layer(config: Any, layer: int) -> bool:
     return config.n_routed_experts is not None and layer >= config.first_k_dense_replace and layer % freq == 0
 
 
-class _DeepseekV2MLPType(DeepseekV2MLP):
-    """``DeepseekV2MLP`` as a type only: constructing it builds no layers and no parameters."""
-
-    def __init__(self) -> None:
-        nn.Module.__init__(self)
-
-
-class AfdDenseMlpProxy(AfdFfnProxy, _DeepseekV2MLPType):
-    """Attention-role proxy for a dense layer; an instance of ``DeepseekV2MLP`` for vLLM's type checks.
-
-    Behaves exactly like ``AfdFfnProxy`` (its ``forward`` comes first in the
-    MRO); the ``DeepseekV2MLP`` base only makes vLLM's decoder layer treat the
-    output as a dense MLP's (float16 rescaling).
-    """
-
-
 class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
     """DeepSeek-V2 with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
+    afd_decoder_layer = DeepseekV2DecoderLayer
+    afd_ffn_classes = (DeepseekV2MoE, DeepseekV2MLP)
+    afd_moe_classes = (DeepseekV2MoE,)
     afd_needs_forward_context = True
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if self.afd_role == ATTENTION:
-            self.moe_layers = []  # the experts live on the FFN role
-            self.moe_mlp_layers = []
-            self.num_moe_layers = 0
-            return
+            return  # the experts live on the FFN role
         blocks = [getattr(layer, self.afd_ffn_attr) for layer in self._afd_layers()]
         sparse = [b for b in blocks if isinstance(b, DeepseekV2MoE)]
         if any(b.is_fused_shared_expert_enabled for b in sparse):
@@ -111,16 +98,11 @@ class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
         self.extract_moe_parameters(sparse[-1] if sparse else None)
 
     # ---- attention role -------------------------------------------------
-    def _afd_install_proxies(self, vllm_config: Any) -> None:
-        """Install the proxies; dense layers get ``AfdDenseMlpProxy`` (see the module docstring)."""
-        layers = self._afd_layers()
-        if any(getattr(layer, "use_sequence_parallel_moe", False) for layer in layers):
+    def afd_check_attention_layers(self) -> None:
+        """As in ``common``, and no sequence-parallel MoE (its layers expect another exchange)."""
+        if any(getattr(layer, "use_sequence_parallel_moe", False) for layer in self._afd_layers()):
             raise ValueError("AFD DeepSeek: sequence-parallel MoE (use_sequence_parallel_moe) is not supported")
-        dense = [isinstance(getattr(layer, self.afd_ffn_attr, None), DeepseekV2MLP) for layer in layers]
-        super()._afd_install_proxies(vllm_config)
-        for idx, layer in enumerate(layers):
-            if dense[idx]:
-                setattr(layer, self.afd_ffn_attr, AfdDenseMlpProxy(self._afd_link, idx))
+        super().afd_check_attention_layers()
 
     # ---- FFN role -------------------------------------------------------
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
@@ -133,13 +115,7 @@ class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
                 prefix=prefix,
                 apply_routed_scale_to_output=not rocm_aiter_ops.is_fused_moe_enabled(),
             )
-        return DeepseekV2MLP(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            hidden_act=config.hidden_act,
-            quant_config=vllm_config.quant_config,
-            prefix=prefix,
-        )
+        return build_dense_mlp(DeepseekV2MLP, vllm_config, prefix)
 
     def afd_is_ffn_weight(self, name: str) -> bool:
         """A decoder layer's ``mlp.*`` tensor, excluding MTP (next-token-prediction) layers."""

@@ -5,7 +5,8 @@ layer the FFN role builds what vLLM's Qwen3-MoE decoder layer would build: the
 sparse MoE block (router + FusedMoE experts, plus shared expert if configured)
 or, for ``mlp_only_layers`` / non-sparse steps, the dense ``Qwen3MoeMLP``.
 FusedMoE looks itself up in vLLM's forward context, so FFN calls run inside
-one. The MoE bookkeeping attributes vLLM reads (``moe_layers``,
+one. On the attention role, ``Qwen3MoeDecoderLayer`` builds proxies in place
+of both. The MoE bookkeeping attributes vLLM reads (``moe_layers``,
 ``num_moe_layers``, expert counts) describe the FFN role's experts; the
 attention role reports none. Those counts mirror ``Qwen3MoeForCausalLM.__init__``
 (vLLM has no helper that sets them from a block); the manifests pin that class in
@@ -18,12 +19,13 @@ from typing import Any
 
 from torch import nn
 from vllm.model_executor.models.qwen3_moe import (
+    Qwen3MoeDecoderLayer,
     Qwen3MoeForCausalLM,
     Qwen3MoeMLP,
     Qwen3MoeSparseMoeBlock,
 )
 
-from afd_patches.models.common import ATTENTION, AfdCausalLMMixin
+from afd_patches.models.common import ATTENTION, AfdCausalLMMixin, build_dense_mlp
 
 
 def _is_sparse(config: Any, layer: int) -> bool:
@@ -40,14 +42,15 @@ def _is_sparse(config: Any, layer: int) -> bool:
 class AFDQwen3MoeForCausalLM(AfdCausalLMMixin, Qwen3MoeForCausalLM):
     """Qwen3-MoE with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
+    afd_decoder_layer = Qwen3MoeDecoderLayer
+    afd_ffn_classes = (Qwen3MoeSparseMoeBlock, Qwen3MoeMLP)
+    afd_moe_classes = (Qwen3MoeSparseMoeBlock,)
     afd_needs_forward_context = True
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if self.afd_role == ATTENTION:
-            self.moe_layers = []  # the experts live on the FFN role
-            self.num_moe_layers = 0
-            return
+            return  # the experts live on the FFN role
         blocks = [getattr(layer, self.afd_ffn_attr) for layer in self._afd_layers()]
         sparse = [b for b in blocks if isinstance(b, Qwen3MoeSparseMoeBlock)]
         self.moe_layers = [b.experts for b in sparse]
@@ -65,10 +68,4 @@ class AFDQwen3MoeForCausalLM(AfdCausalLMMixin, Qwen3MoeForCausalLM):
         config = vllm_config.model_config.hf_text_config
         if _is_sparse(config, layer):
             return Qwen3MoeSparseMoeBlock(vllm_config=vllm_config, prefix=prefix)
-        return Qwen3MoeMLP(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            hidden_act=config.hidden_act,
-            quant_config=vllm_config.quant_config,
-            prefix=prefix,
-        )
+        return build_dense_mlp(Qwen3MoeMLP, vllm_config, prefix)

@@ -16,12 +16,11 @@ from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV3ForCausalLM,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, AfdFfnProxy, AfdLink
+from afd_patches.models.common import AfdCausalLMMixin, AfdFfnProxy, AfdLink, _ffn_classes_rebound, proxy_type
 from afd_patches.models.deepseek_v2 import (
     _FFN_STACKED,
     AFDDeepseekV2ForCausalLM,
     AFDDeepseekV3ForCausalLM,
-    AfdDenseMlpProxy,
     is_moe_layer,
 )
 
@@ -113,8 +112,12 @@ class _Loopback:
 def test_dense_proxy_is_a_parameter_free_deepseek_mlp() -> None:
     link = AfdLink(2, 4)
     link.connector = _Loopback()  # type: ignore[assignment]
-    proxy = AfdDenseMlpProxy(link, 0)
-    assert isinstance(proxy, DeepseekV2MLP) and isinstance(proxy, AfdFfnProxy)
+    namespace = {"__name__": "fake", "DeepseekV2MLP": DeepseekV2MLP}
+    with _ffn_classes_rebound(namespace, {DeepseekV2MLP: proxy_type(DeepseekV2MLP)}, link):
+        proxy = namespace["DeepseekV2MLP"](hidden_size=4, intermediate_size=8, hidden_act="silu",
+                                           quant_config=None, prefix="model.layers.0.mlp")
+    assert namespace["DeepseekV2MLP"] is DeepseekV2MLP
+    assert isinstance(proxy, DeepseekV2MLP) and isinstance(proxy, AfdFfnProxy) and proxy.layer == 0
     assert list(proxy.parameters()) == [] and list(proxy.children()) == []
     x = torch.ones(3, 4)
     assert torch.equal(proxy(x), 2 * x)

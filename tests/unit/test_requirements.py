@@ -125,15 +125,18 @@ def test_runtime_verdicts_name_the_drifted_requirement(drifted_trees, kind):
 
 
 def test_warn_requirement_is_reported_but_does_not_fail(drifted_trees, tmp_path):
-    text = M032.read_text().replace(
-        "  - target: vllm.model_executor.models.llama:LlamaMLP.__init__\n    pin: signature\n",
-        "  - target: vllm.model_executor.models.llama:LlamaMLP.__init__\n    pin: signature\n    on_drift: warn\n")
-    assert text != M032.read_text()
+    text = M032.read_text()
+    for target, pin in (("LlamaMLP.__init__", "signature"), ("LlamaDecoderLayer.__init__", "full")):
+        # the drift renames a keyword of LlamaMLP and, so, the call site in LlamaDecoderLayer.__init__
+        entry = f"  - target: vllm.model_executor.models.llama:{target}\n    pin: {pin}\n"
+        assert entry in text
+        text = text.replace(entry, entry + "    on_drift: warn\n")
     path = tmp_path / "warn.yaml"
     path.write_text(text)
     code, out = run_check(path, str(drifted_trees["kwarg"]))
     assert code == 0, out
     assert "[warn] requires vllm.model_executor.models.llama:LlamaMLP.__init__ (pin signature)" in out
+    assert "[warn] requires vllm.model_executor.models.llama:LlamaDecoderLayer.__init__ (pin full)" in out
     v = next(v for v in requirements.verdicts(manifest.load(path), str(drifted_trees["kwarg"]))
              if v.target.endswith("LlamaMLP.__init__"))
     assert v.verdict == "drifted: signature" and not v.fails

@@ -1,0 +1,56 @@
+"""Bytes allocated while each AFD role builds its model, on real vLLM, for every AFD architecture.
+
+One subprocess (``scripts/construction_bytes.py``) builds, for each family, the
+FFN-heavy tiny checkpoint's model three times with vLLM's own loader and config
+objects -- plain, attention role, FFN role -- each under a ``TorchDispatchMode``
+allocation counter (all devices), without loading weights or starting an engine.
+
+Checks, per family: the MLP/experts are >= 90 % of the parameters; the counter
+sees the plain model's parameters; the attention role allocates at most its
+non-FFN parameter bytes + 5 % and holds exactly the plain model's non-FFN
+parameter bytes, with no FFN module in vLLM's forward context; the FFN role
+allocates at most its FFN parameter bytes + 5 % and holds exactly those.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from afd_engine import ARCH
+from tiny_model import build
+from vllm_run import REPO, vllm_env
+
+pytestmark = pytest.mark.vllm
+
+SLACK = 1.05
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
+    work = tmp_path_factory.mktemp("afd-construction")
+    models = [f"{family}={build(work / family, family, wide=True)}" for family in ARCH]
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "construction_bytes.py"), *models],
+                          env=vllm_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return {(r["family"], r["role"]): r for r in rows}
+
+
+@pytest.mark.parametrize("family", sorted(ARCH))
+def test_each_role_allocates_only_its_own_parameters(measured: dict[tuple[str, str], dict[str, Any]],
+                                                     family: str) -> None:
+    plain, attn, ffn_role = (measured[(family, role)] for role in ("plain", "attention", "ffn"))
+    ffn, non_ffn = plain["plain_ffn_params"], plain["plain_non_ffn_params"]
+    assert ffn >= 0.9 * (ffn + non_ffn), f"{family}: the FFN-heavy model is not FFN-heavy ({ffn} of {ffn + non_ffn})"
+    assert plain["allocated"] >= ffn + non_ffn == plain["params_held"]  # the counter sees every parameter
+
+    assert attn["params_held"] == non_ffn
+    assert attn["allocated"] <= SLACK * non_ffn, f"{family} attention role allocated {attn['allocated']} bytes"
+    assert attn["forward_context"] and not [k for k in attn["forward_context"] if ".mlp" in k]
+
+    assert ffn_role["params_held"] == ffn
+    assert ffn_role["allocated"] <= SLACK * ffn, f"{family} FFN role allocated {ffn_role['allocated']} bytes"
