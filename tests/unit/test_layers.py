@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from patchkit.manifest.validate import _find_cycle
+
 PACKAGE = Path(__file__).resolve().parents[2] / "patchkit"
 BASICS = {"patchkit.errors", "patchkit.plan", "patchkit.fingerprint"}
 LAYERS = ["basics", "runtime", "manifest", "review", "top"]
@@ -65,25 +67,8 @@ def test_every_import_goes_to_the_same_or_a_lower_layer():
 
 
 def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the stack, 2: done
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for dep in sorted(g.get(node, ())):
-            if state.get(dep) == 1:
-                return [*stack[stack.index(dep):], dep]
-            if dep not in state and (cycle := visit(dep)):
-                return cycle
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(g):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
+    """A cycle in ``g`` as ``[a, b, ..., a]``, or None (the manifest loader's cycle finder, on sorted edges)."""
+    return _find_cycle({node: sorted(deps) for node, deps in sorted(g.items())})
 
 
 def test_no_import_cycles():
