@@ -33,7 +33,7 @@ if typing.TYPE_CHECKING:
     from pathlib import Path
     from typing import Any
 
-    from patchkit.plan import Runtime
+    from patchkit.plan import Compiled, Runtime
     from patchkit.runtime.engine import Run
 
 __version__ = "0.1.0"  # the distribution's version (pyproject.toml); part of the plan cache key
@@ -122,7 +122,7 @@ def activate(plugin: str, manifest_dir: str | Path, runtime: Runtime | None = No
         return result
 
 
-def _compile_plan(files: list[str], runtime: Runtime) -> Any:
+def _compile_plan(files: list[str], runtime: Runtime) -> Compiled:
     """On a plan-cache miss: validate the manifests and select (YAML, JSON Schema: loaded only now)."""
     from patchkit.manifest.select import compile_plan
 
