@@ -24,8 +24,8 @@ import nox
 
 RELEASES = ["0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0"]
 SMOKE = [
-    "tests/integration/test_afd_e2e.py::test_afd_1a1f_matches_plain_vllm[llama]",
-    "tests/integration/test_afd_e2e.py::test_afd_2a1f_matches_plain_vllm[qwen3_moe]",
+    "tests/integration/test_afd_e2e.py::test_afd_1a1f_matches_plain_vllm[llama-batched]",
+    "tests/integration/test_afd_e2e.py::test_afd_2a1f_matches_plain_vllm[qwen3_moe-batched]",
     "tests/integration/test_vllm_plugin.py::test_without_plugin_no_report_and_same_tokens",
 ]
 TEST_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

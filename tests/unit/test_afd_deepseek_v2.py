@@ -2,7 +2,7 @@
 
 Imports vLLM's DeepSeek-V2 module (vLLM must be installed); builds
 no model. The token-exact run against plain vLLM is
-``tests/integration/test_afd_e2e.py::test_afd_1a1f_matches_plain_vllm[deepseek_v2]``.
+``tests/integration/test_afd_e2e.py::test_afd_1a1f_matches_plain_vllm[deepseek_v2-batched]``.
 """
 
 from __future__ import annotations
