@@ -254,6 +254,11 @@ def _vllm_platform() -> str | None:
         return None
 
 
+def override_key(entry_id: str, index: int) -> str:
+    """Where ``Compiled.static`` keeps the static verdict of a workers entry's override ``index``."""
+    return f"{entry_id}:{index}"
+
+
 def runtime_verdict(when: dict[str, Any], runtime: Runtime) -> str | None:
     """Guards that can differ between processes of one installation (platform, env)."""
     if "platform" in when and runtime.platform not in when["platform"]:

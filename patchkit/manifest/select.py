@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from patchkit.errors import ManifestError, UnsupportedRelease
-from patchkit.plan import Compiled, Entry, Manifest, Runtime
+from patchkit.plan import Compiled, Entry, Manifest, Runtime, override_key
 
 
 def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
@@ -43,7 +43,7 @@ def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
     static.update({f"model:{m.arch}": static_verdict(m.when, runtime) for m in chosen.models})
     for e in ordered:
         if e.workers:
-            static.update({f"{e.id}:{i}": static_verdict(o.get("when", {}), runtime)
+            static.update({override_key(e.id, i): static_verdict(o.get("when", {}), runtime)
                            for i, o in enumerate(e.workers["overrides"])})
     digest = hashlib.sha256(f"{chosen.digest}|{[e.id for e in ordered]}".encode()).hexdigest()[:16]
     return Compiled(chosen, [e.id for e in ordered], static, supported(manifests), None, digest)

@@ -41,7 +41,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from patchkit.errors import PatchError
-from patchkit.plan import MISSING, Compiled, Entry, Manifest, Runtime, runtime_verdict
+from patchkit.plan import MISSING, Compiled, Entry, Manifest, Runtime, override_key, runtime_verdict
 from patchkit.runtime import imports
 from patchkit.runtime.cache import Fingerprints
 
@@ -290,7 +290,7 @@ class Run:
 
             try:
                 spec = entry.workers or {}
-                static = [self.compiled.static.get(f"{entry.id}:{i}") for i in range(len(spec["overrides"]))]
+                static = [self.compiled.static.get(override_key(entry.id, i)) for i in range(len(spec["overrides"]))]
                 factory = vllm_adapter.worker_wrapper(spec, self.runtime, static)
             except Exception as exc:  # noqa: BLE001 - reported as this entry's failure
                 raise _EntryFailed(f"cannot build worker override: {exc!r}") from None
