@@ -1,24 +1,22 @@
 """Decode throughput of 1A1F AFD vs plain vLLM on the tiny model, side by side in one run.
 
-Each engine runs in its own process (scripts/afd_engine.py), FFN first; the
+Each engine runs in its own process (tests/support/engine.py), FFN first; the
 same prompts, greedy, ``ignore_eos``. Decode tokens/s = generated tokens /
 generation wall time. The connector's own per-layer exchange latency is
 measured by ``benchmarks/connector_latency.py``.
 
-    python benchmarks/afd_throughput.py [--max-tokens 64] [--prompts 4] [--arch llama]
+    python -m benchmarks.afd_throughput [--max-tokens 64] [--prompts 4] [--arch llama]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from afd_engine import ARCH, free_port, run_engines
-from tiny_model import build
+from tests.support.engine import ARCH, run_engines
+from tests.support.env import free_port
+from tests.support.tiny_model import build
 
 
 def main() -> None:

@@ -6,14 +6,13 @@ victim-owned payload, FIFO, hard link, foreign owner, group/world-writable,
 huge, garbage), a fresh process activates a small plan; the figure is the time
 ``activate()`` took there (plan recompiled on the miss), and whether the payload
 ran (it must not). The planting code is the attack suite's own
-(``tests/unit/test_runtime_trust.py``), loaded from its file.
+(``tests/patchkit/test_runtime_trust.py``), imported from it.
 
-    python benchmarks/cache_attacks.py
+    python -m benchmarks.cache_attacks
 """
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -22,16 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _suite():
-    spec = importlib.util.spec_from_file_location("trust_suite", REPO / "tests" / "unit" / "test_runtime_trust.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
-    suite = _suite()
+    from tests.patchkit import test_runtime_trust as suite
+
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         src, folder, genuine = base / "src", base / "manifests", base / "genuine"

@@ -3,7 +3,7 @@
 Both sides are measured side by side in one process, in alternating rounds,
 best of each (the minimum is the least noisy estimate of the true cost).
 
-    python benchmarks/call_overhead.py
+    python -m benchmarks.call_overhead
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Each figure is the median of ``--repeat`` runs (default 5) after one untimed
 warm-up run of ``run_check`` (imports, page cache). Wall time is what a user
 waits; CPU time is printed too because a busy machine inflates wall time.
 
-Usage: ``python benchmarks/check_speed.py [--vllm SRC] [--repeat N]``.
+Usage: ``python -m benchmarks.check_speed [--vllm SRC] [--repeat N]``.
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from patchkit.review.check import run_check
+from patchkit.review.static import open_tree
 
-from patchkit.review.check import run_check  # noqa: E402
-from patchkit.review.static import open_tree  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SYNTHETIC_TARGETS = [
     ("vllm.engine.arg_utils:EngineArgs.create_engine_config", "wrap"),

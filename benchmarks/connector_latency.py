@@ -5,7 +5,7 @@ One exchange is what a decoder layer costs on the attention side:
 back (``recv_attn_output`` + ``send_ffn_output``, no compute). Prints the median
 and p99 in microseconds over ``--iters`` exchanges after ``--warmup``.
 
-    .venv/bin/python benchmarks/connector_latency.py [--iters 2000] [--tokens 8] [--hidden 64] [--inline-bytes N]
+    .venv/bin/python -m benchmarks.connector_latency [--iters 2000] [--tokens 8] [--hidden 64] [--inline-bytes N]
         [--baseline DIR [--rounds 3]]
 
 ``--baseline DIR``: DIR holds another version of ``afd_patches`` (e.g. from
@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import socket
 import statistics
 import sys
 import time
 from typing import Any
+
+from tests.support.env import free_port
 
 
 def _use(src: str | None) -> None:
@@ -84,16 +85,10 @@ def _attention(port: int, inline_bytes: int, iters: int, warmup: int, tokens: in
     out.put((samples, ok))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(args: argparse.Namespace, src: str | None) -> tuple[list[float], bool]:
     """One 1A1F run of ``args.iters`` exchanges with ``afd_patches`` from ``src`` (None: this checkout)."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     out = ctx.Queue()
     ffn = ctx.Process(target=_ffn, args=(port, args.inline_bytes, src), daemon=True)
     attn = ctx.Process(

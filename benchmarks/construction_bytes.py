@@ -1,26 +1,23 @@
 """Bytes allocated while each AFD role builds its model, vs plain vLLM, per architecture (a Markdown table).
 
-For each architecture the FFN-heavy tiny checkpoint (``scripts/tiny_model.py
+For each architecture the FFN-heavy tiny checkpoint (``tests/support/tiny_model.py
 --wide``: MLP/experts over 90 % of the parameters) is built, then plain vLLM,
 the attention role and the FFN role construct the model in this process with
-vLLM's own loader under an allocation counter (``scripts/construction_bytes.py``
+vLLM's own loader under an allocation counter (``tests/support/construction_bytes.py``
 says how bytes are counted). No weights are loaded, no engine is started.
 
-    python benchmarks/construction_bytes.py [--family llama ...]
+    python -m benchmarks.construction_bytes [--family llama ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from afd_engine import ARCH
-from construction_bytes import measure
-from tiny_model import build
+from tests.support.construction_bytes import measure
+from tests.support.engine import ARCH
+from tests.support.tiny_model import build
 
 
 def _kib(n: int) -> str:

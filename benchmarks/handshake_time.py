@@ -5,7 +5,7 @@ in one process on loopback, without forming the torch group: listener up, join
 started, until both sides returned. Alternates token / no token per repetition
 and prints the median and p90 of each in milliseconds.
 
-    .venv/bin/python benchmarks/handshake_time.py [--reps 200]
+    .venv/bin/python -m benchmarks.handshake_time [--reps 200]
 
 Nothing leaves the machine (127.0.0.1 and a free port).
 """
@@ -19,21 +19,16 @@ import threading
 import time
 
 from afd_patches.connectors import handshake
+from tests.support.env import free_port
 
 TOKEN = b"benchmark-token-0123456789abcdef"
 FIELDS = {"num_attention_ranks": 1, "num_ffn_ranks": 1, "backend": "gloo", "inline_bytes": 65536,
           "model.hidden_size": 64, "model.dtype": "float32"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def once(token: bytes | None) -> float:
     """Seconds from the join's start until both sides have returned."""
-    port = _free_port()
+    port = free_port()
     listener = handshake.listen("127.0.0.1", port)
     own = handshake.Hello("ffn", 0, FIELDS)
     result: list[list[socket.socket]] = []

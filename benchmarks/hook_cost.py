@@ -10,7 +10,7 @@ manifest in every process, which modules the hook adds that vLLM had not importe
 and what the cache directory holds afterwards (JSON data only: nothing executable).
 Goals: <= 3 ms after ``import vllm`` and <= 6 ms in the front end.
 
-    python benchmarks/hook_cost.py [--runs 15]
+    python -m benchmarks.hook_cost [--runs 15]
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def sample(hook: str, pre: str, cache_dir: str, collect: bool = False, count: bo
     code = PROBE.format(pre=pre, hook=hook, collect=collect or count, count=count)
     env = {**os.environ, "PATCHKIT_CACHE_DIR": cache_dir, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     env.pop("PATCHKIT_REPORT_DIR", None)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=REPO)
     for line in out.stdout.splitlines():
         if line.startswith("PROBE "):
             return json.loads(line[6:])

@@ -1,6 +1,6 @@
 """How fast oversized manifests are refused: a 15 MB file, 1,200 entries writing one target, 30,000 nodes.
 
-    python benchmarks/manifest_limits.py
+    python -m benchmarks.manifest_limits
 """
 
 from __future__ import annotations

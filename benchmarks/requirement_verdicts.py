@@ -11,7 +11,7 @@ Prints, for ``manifests/afd/vllm-0.32.yaml`` on the installed vLLM:
    ``import vllm`` and ``register_afd()``, ``patchkit.review.requirements`` and
    ``patchkit.review.static`` are not in ``sys.modules``.
 
-Usage: ``python benchmarks/requirement_verdicts.py [--runs N]``.
+Usage: ``python -m benchmarks.requirement_verdicts [--runs N]``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 3. ``patchkit check`` on the whole installed vLLM tree vs a naive parse (``check_speed.py``).
 4. AFD 1A1F vs plain vLLM decode tokens/s (``afd_throughput.py``).
 
-    python benchmarks/table.py [--runs 15] [--skip-afd]
+    python -m benchmarks.table [--runs 15] [--skip-afd]
 """
 
 from __future__ import annotations
@@ -21,15 +21,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchmarks.hook_cost import REPO, sample
 
-from hook_cost import REPO, sample  # noqa: E402
-
-HANDWRITTEN = f"sys.path.insert(0, {str(HERE)!r}); import handwritten_plugin; handwritten_plugin.register()"
-DOCUMENTED = f"sys.path.insert(0, {str(HERE)!r}); import handwritten_plugin; handwritten_plugin.register(eager=True)"
+HANDWRITTEN = "from benchmarks import handwritten_plugin; handwritten_plugin.register()"
+DOCUMENTED = "from benchmarks import handwritten_plugin; handwritten_plugin.register(eager=True)"
 PATCHKIT = "import afd_patches; afd_patches.register_afd()"
 FRONT_END = "import vllm.engine.arg_utils"
 HOOKS = {"patchkit": PATCHKIT, "hand-written": HANDWRITTEN, "hand-written, eager models": DOCUMENTED}
@@ -41,7 +37,7 @@ def main() -> None:
     parser.add_argument("--skip-afd", action="store_true", help="leave out the AFD throughput run (~3 min)")
     args = parser.parse_args()
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "patchkit"), str(REPO / "afd_patches"),
-                    str(HERE)], check=True)
+                    str(REPO / "benchmarks")], check=True)
     ms: dict[tuple[str, bool], list[float]] = {(h, c): [] for h in HOOKS for c in (False, True)}
     with tempfile.TemporaryDirectory() as cache:
         sample(PATCHKIT, FRONT_END, cache)  # fill the compiled-plan cache
@@ -58,10 +54,10 @@ def main() -> None:
         ratio = med["patchkit", collect] / med["hand-written", collect]
         print(f"ratio patchkit / hand-written, {label}: {ratio:.2f}x")
     print()
-    scripts = ["call_overhead.py", "check_speed.py"] + ([] if args.skip_afd else ["afd_throughput.py"])
+    scripts = ["call_overhead", "check_speed"] + ([] if args.skip_afd else ["afd_throughput"])
     for script in scripts:
-        print(f"== {script}", flush=True)
-        out = subprocess.run([sys.executable, str(HERE / script)], capture_output=True, text=True)
+        print(f"== benchmarks.{script}", flush=True)
+        out = subprocess.run([sys.executable, "-m", f"benchmarks.{script}"], capture_output=True, text=True, cwd=REPO)
         lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
         print("\n".join(lines[-6:]) if out.returncode == 0 else f"failed:\n{out.stderr[-2000:]}", flush=True)
         print()

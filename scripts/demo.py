@@ -4,20 +4,20 @@ Builds the checkpoint, runs plain vLLM, then the FFN engine and the attention
 engine (each with vLLM's own multiprocessing: front end, engine core, worker),
 prints the greedy tokens side by side, and the per-process patch reports with
 the check that every process applied the same plan.
+
+    python -m scripts.demo      (from the repository root; scripts/demo.sh installs first)
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from afd_engine import ARCH, EngineFailed, free_port, run_engines
-from tiny_model import build
-
-PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 4], [250, 251, 252, 253, 254, 255, 256, 7]]
+from tests.support.engine import ARCH, PROMPTS, EngineFailed, run_engines
+from tests.support.env import free_port
+from tests.support.tiny_model import build
 
 
 def main() -> int:
@@ -33,10 +33,10 @@ def main() -> int:
             print("plain vLLM ...", flush=True)
             (plain,) = run_engines([{**common, "name": "plain", "mode": "plain"}], work)
             print("AFD 1A1F: FFN engine, then attention engine ...", flush=True)
-            os.environ["PATCHKIT_REPORT_DIR"] = str(reports)
+            env = {"PATCHKIT_REPORT_DIR": str(reports)}
             ffn, attn = run_engines([
-                {**common, "name": "ffn", "mode": "ffn", "afd": {**afd, "role": "ffn"}},
-                {**common, "name": "attn", "mode": "attention", "afd": {**afd, "role": "attention"}},
+                {**common, "name": "ffn", "mode": "ffn", "afd": {**afd, "role": "ffn"}, "env": env},
+                {**common, "name": "attn", "mode": "attention", "afd": {**afd, "role": "attention"}, "env": env},
             ], work, stagger_s=1.0)
         except EngineFailed as exc:
             print(exc)

@@ -33,6 +33,7 @@ from afd_patches.connectors.torch_dist import (
     decode_header,
     encode_header,
 )
+from tests.support.env import free_port
 
 HIDDEN = 16
 SLACK_S = 3.0  # scheduling slack on a busy 2-core machine
@@ -42,12 +43,6 @@ _CTX.set_forkserver_preload(["torch", "vllm.distributed.utils", "afd_patches.con
 
 
 # --------------------------------------------------------------------------- helpers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_config(
     role: str, rank: int, port: int, a: int = 1, f: int = 1, timeout_s: float = 15.0, **extra: Any
 ) -> AfdConfig:

@@ -15,25 +15,25 @@ import socket
 import time
 from typing import Any
 
-import afd_probe  # tests/ is on sys.path (tests/conftest.py)
 import pytest
 import torch
-from test_connector import (
+
+from afd_patches.config import AfdConfig
+from afd_patches.connectors import auth, handshake
+from afd_patches.connectors.base import ConnectorError
+from afd_patches.connectors.torch_dist import DTYPE_CODES, HEADER_LEN, KIND_DATA, MAGIC, Header, TorchDistConnector
+from tests.afd.test_connector import (
     _CTX,
     HIDDEN,
     SLACK_S,
     _join_all,
     attention_worker,
     collect,
-    free_port,
     make_config,
     start,
 )
-
-from afd_patches.config import AfdConfig
-from afd_patches.connectors import auth, handshake
-from afd_patches.connectors.base import ConnectorError
-from afd_patches.connectors.torch_dist import DTYPE_CODES, HEADER_LEN, KIND_DATA, MAGIC, Header, TorchDistConnector
+from tests.support import afd_probe
+from tests.support.env import free_port
 
 FFN_HOST = "127.0.0.2"
 TOKEN = "test-only-rendezvous-token-0123456789abcdef"  # a constant: forkserver children re-import this module

@@ -23,19 +23,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from afd_engine import (
+
+from tests.support.engine import (
     ARCH,
     ENGINE_TIMEOUT_S,
     Engine,
     EngineFailed,
-    free_port,
     group_members,
     kill,
     run_engines,
     start,
     tail,
 )
-from tiny_model import build
+from tests.support.env import free_port
+from tests.support.tiny_model import build
 
 pytestmark = pytest.mark.vllm
 
@@ -47,7 +48,7 @@ ABS_TOL = 0.0  # token-exact: float32 on CPU gives bit-identical logprobs
 
 
 def _build_model(path: Path, family: str) -> Path:
-    """A tiny random float32 checkpoint (hidden 64, 2 layers, vocab 512, std 0.2; see scripts/tiny_model.py).
+    """A tiny random float32 checkpoint (hidden 64, 2 layers, vocab 512, std 0.2; see tests/support/tiny_model.py).
 
     deepseek_v2: layer 0 dense, layer 1 MoE with a shared expert, MLA attention (vLLM's CPU_MLA backend).
     """

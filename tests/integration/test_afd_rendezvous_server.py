@@ -6,7 +6,7 @@ One FFN server (rendezvous on 127.0.0.2, with ``AFD_TOKEN``) and one attention s
 1. an FFN server whose ``--afd-host`` is not loopback and that has no token fails fast,
    naming ``AFD_TOKEN``/``token_file``;
 2. the rendezvous port answers on 127.0.0.2 only (127.0.0.3 is refused);
-3. a scanner (``tests/afd_probe.py``) probes the running FFN server; then the attention
+3. a scanner (``tests/support/afd_probe.py``) probes the running FFN server; then the attention
    server joins within its normal start time and its greedy tokens and top-5 logprobs equal
    plain vLLM's; the FFN log names each refused probe once;
 4. the attention server's ``/metrics`` shows ``vllm:afd_exchanges`` grown by layers × steps
@@ -30,16 +30,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import afd_probe  # tests/ is on sys.path (tests/conftest.py)
 import pytest
-from afd_engine import free_port, tail
-from test_afd_server import (
-    ABS_TOL,
+
+from tests.integration.test_afd_server import (
     HOST,
     MAX_TOKENS,
     START_TIMEOUT_S,
     _complete,
     _env,
+    _max_logprob_difference,
     _server_args,
     _servers,
     _start,
@@ -47,7 +46,9 @@ from test_afd_server import (
     _token_id,
     _wait_healthy,
 )
-from vllm_run import REPO
+from tests.support import afd_probe
+from tests.support.engine import tail
+from tests.support.env import REPO, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -136,13 +137,8 @@ def test_token_scanner_rolling_restart_and_metrics(model_dir: Path, plain_genera
 
     tokens = _tokens(first)
     assert tokens == plain.result["tokens"][0], f"AFD {tokens} != plain vLLM {plain.result['tokens'][0]}"
-    worst = 0.0
-    for step_plain, step_afd in zip(plain.result["logprobs"][0], first["choices"][0]["logprobs"]["top_logprobs"],
-                                    strict=True):
-        afd_step = {str(_token_id(t)): v for t, v in step_afd.items()}
-        assert set(afd_step) == set(step_plain)
-        worst = max(worst, *(abs(v - afd_step[t]) for t, v in step_plain.items()))
-    assert worst <= ABS_TOL, worst
+    worst = _max_logprob_difference(plain.result["logprobs"][0], first["choices"][0]["logprobs"]["top_logprobs"])
+    assert worst == 0.0, worst
     assert _tokens(second) == tokens, "the restarted attention server answered differently"
     assert after - before == LAYERS * MAX_TOKENS, (before, after)
     assert reformed == 1.0

@@ -2,23 +2,22 @@
 while plain generation with the plugin installed is unaffected (same tokens and logprobs).
 
 The vLLM imported here is a copy of the installed tree with the three kinds of drift of
-tests/drift_injection.py (constructor keyword renamed, subclassed method body changed, name
+tests/support/drift_injection.py (constructor keyword renamed, subclassed method body changed, name
 removed), put first on the import path; the copy stays consistent, so vLLM itself runs.
 """
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from vllm_run import REPO, run_generate, vllm_env
 
-sys.path.insert(0, str(REPO / "tests"))
-from drift_injection import DRIFTS, drifted_copy
+from tests.support.drift_injection import DRIFTS, drifted_copy
+from tests.support.engine import generate
+from tests.support.env import vllm_env
 
 pytestmark = pytest.mark.vllm
 
@@ -28,11 +27,11 @@ def drifted_vllm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return drifted_copy(tmp_path_factory.mktemp("drifted-vllm"), sorted(DRIFTS))
 
 
-def test_afd_is_refused_naming_each_drifted_symbol(drifted_vllm, tiny_llama):
+def test_afd_is_refused_naming_each_drifted_symbol(drifted_vllm, tiny_llama, tmp_path):
     started = time.perf_counter()
-    gen = run_generate(tiny_llama, "--additional-config", json.dumps({"afd": {"role": "attention"}}),
-                       "--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]}),
-                       timeout=240, PYTHONPATH=str(drifted_vllm))
+    gen = generate(tiny_llama, tmp_path, additional_config={"afd": {"role": "attention"}},
+                   hf_overrides={"architectures": ["AFDLlamaForCausalLM"]}, timeout_s=240,
+                   PYTHONPATH=str(drifted_vllm))
     assert gen.returncode != 0
     assert "AfdUnavailable" in gen.output and "no longer has what afd-plugin relies on" in gen.output, \
         gen.output[-4000:]
@@ -42,14 +41,14 @@ def test_afd_is_refused_naming_each_drifted_symbol(drifted_vllm, tiny_llama):
     assert time.perf_counter() - started < 120
 
 
-def test_plain_generation_from_the_drifted_tree_is_unaffected(drifted_vllm, tiny_llama):
-    drifted = run_generate(tiny_llama, PYTHONPATH=str(drifted_vllm))
+def test_plain_generation_from_the_drifted_tree_is_unaffected(drifted_vllm, tiny_llama, tmp_path):
+    drifted = generate(tiny_llama, tmp_path, name="drifted", PYTHONPATH=str(drifted_vllm))
     assert drifted.returncode == 0, drifted.output[-4000:]
     probe = "import importlib.util; print(importlib.util.find_spec('vllm').origin)"
     where = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                            env=vllm_env(PYTHONPATH=str(drifted_vllm)))
     assert where.stdout.strip() == str(drifted_vllm / "vllm" / "__init__.py"), where  # the drifted copy ran
-    plain = run_generate(tiny_llama)
+    plain = generate(tiny_llama, tmp_path)
     assert plain.returncode == 0, plain.output[-4000:]
     assert drifted.result is not None and plain.result is not None
     assert drifted.result["tokens"] == plain.result["tokens"]

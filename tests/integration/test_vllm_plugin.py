@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_run import REPO, run_generate, vllm_env
+
+from tests.support.engine import generate
+from tests.support.env import REPO, vllm_env
 
 pytestmark = pytest.mark.vllm
 
@@ -25,7 +27,7 @@ def _expected_manifest() -> str:
 @pytest.fixture(scope="module")
 def with_plugin(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     reports = tmp_path_factory.mktemp("reports")
-    gen = run_generate(tiny_llama, PATCHKIT_REPORT_DIR=str(reports))
+    gen = generate(tiny_llama, tmp_path_factory.mktemp("with-plugin"), PATCHKIT_REPORT_DIR=str(reports))
     assert gen.returncode == 0, gen.output[-4000:]
     return gen, reports
 
@@ -50,7 +52,7 @@ def test_every_process_reports_the_same_plan(with_plugin):
 def test_without_plugin_no_report_and_same_tokens(with_plugin, tiny_llama, tmp_path):
     gen, _ = with_plugin
     reports = tmp_path / "reports"
-    plain = run_generate(tiny_llama, VLLM_PLUGINS="", PATCHKIT_REPORT_DIR=str(reports))
+    plain = generate(tiny_llama, tmp_path, VLLM_PLUGINS="", PATCHKIT_REPORT_DIR=str(reports))
     assert plain.returncode == 0, plain.output[-4000:]
     assert not reports.exists() or not list(reports.iterdir()), "VLLM_PLUGINS='' must load no plugin"
     assert gen.result is not None and plain.result is not None
@@ -68,9 +70,9 @@ def test_without_plugin_no_report_and_same_tokens(with_plugin, tiny_llama, tmp_p
      'additional_config["afd"]["num_attention_ranks"]: 3 is not a multiple of num_ffn_ranks=2'),
     ({"role": "ffn", "connector": "carrier-pigeon"}, 'additional_config["afd"]["connector"]: unknown connector'),
 ])
-def test_bad_afd_config_fails_fast_naming_the_key(tiny_llama, afd, needle):
+def test_bad_afd_config_fails_fast_naming_the_key(tiny_llama, tmp_path, afd, needle):
     started = time.perf_counter()
-    gen = run_generate(tiny_llama, "--additional-config", json.dumps({"afd": afd}), timeout=180)
+    gen = generate(tiny_llama, tmp_path, additional_config={"afd": afd}, timeout_s=180)
     elapsed = time.perf_counter() - started
     assert gen.returncode != 0
     assert needle in gen.output, gen.output[-3000:]
@@ -113,15 +115,14 @@ def test_wheel_in_fresh_venv_finds_manifests_and_schemas(tmp_path):
     assert "AfdConfigError" in config.stderr and '["colour"]: unknown key' in config.stderr, config.stderr[-2000:]
 
 
-def test_afd_config_without_the_plugin_fails_fast(tiny_llama):
+def test_afd_config_without_the_plugin_fails_fast(tiny_llama, tmp_path):
     """VLLM_PLUGINS='' with an AFD run: the AFD architecture is unknown to vLLM, so it fails at once.
 
     (Without the plugin nothing of ours runs, so the message is vLLM's; it names the AFD architecture.)
     """
     started = time.perf_counter()
-    gen = run_generate(tiny_llama, "--additional-config", json.dumps({"afd": {"role": "attention"}}),
-                       "--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]}),
-                       timeout=180, VLLM_PLUGINS="")
+    gen = generate(tiny_llama, tmp_path, additional_config={"afd": {"role": "attention"}},
+                   hf_overrides={"architectures": ["AFDLlamaForCausalLM"]}, timeout_s=180, VLLM_PLUGINS="")
     assert gen.returncode != 0
     assert "AFDLlamaForCausalLM" in gen.output and "not supported" in gen.output, gen.output[-3000:]
     assert time.perf_counter() - started < 90

@@ -10,7 +10,7 @@ import pytest
 
 from patchkit.cli import main
 from patchkit.review.deps import run_deps
-from tests.unit.test_retarget import _wheel
+from tests.patchkit.test_retarget import _wheel
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests" / "afd"

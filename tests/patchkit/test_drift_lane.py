@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from patchkit.review.check import run_check
-from tests.unit.test_retarget import _wheel
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "tests"))
-import drift_lane  # noqa: E402
-from drift_injection import DRIFTS, drifted_copy  # noqa: E402
+from scripts import drift_lane
+from tests.patchkit.test_retarget import _wheel
+from tests.support.drift_injection import DRIFTS, drifted_copy
+from tests.support.env import REPO
 
 M033 = REPO / "manifests" / "afd" / "vllm-0.33.yaml"
 

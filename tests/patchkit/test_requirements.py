@@ -1,13 +1,12 @@
 """``requires:``: the manifest format, pins, and injected drift seen by check, retarget and the run-time verdicts.
 
-The drift tests copy the installed vLLM tree (tests/drift_injection.py) and change one
+The drift tests copy the installed vLLM tree (tests/support/drift_injection.py) and change one
 required symbol per kind; the run-time half (AFD refused, plain generation unaffected)
 is in tests/integration/test_requirements_runtime.py.
 """
 
 from __future__ import annotations
 
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,10 +19,8 @@ from patchkit.review.check import run_check
 from patchkit.review.diff import diff_manifests, render
 from patchkit.review.retarget import retarget_text
 from patchkit.review.static import open_tree
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
-from drift_injection import DRIFTS, drifted_copy  # noqa: E402
+from tests.support.drift_injection import DRIFTS, drifted_copy
+from tests.support.env import REPO
 
 M032 = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
 FP = "ast1:0123456789abcdef:fedcba9876543210"

@@ -21,7 +21,7 @@ from patchkit import fingerprint
 from patchkit.cli import main
 from patchkit.review.check import run_check
 from patchkit.review.static import Resolver, TreeError, open_tree
-from patchkit.review.static.sites import imports_from_ast, imports_from_text
+from tests.support.import_scan import imports_from_ast, imports_from_text
 
 REPO = Path(__file__).resolve().parents[2]
 

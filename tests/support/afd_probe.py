@@ -1,6 +1,6 @@
 """A stranger at the AFD rendezvous port: the scanner and the fuzzer that the tests point at an FFN rank.
 
-Shared by ``tests/unit/test_rendezvous.py`` (against a connector process) and
+Shared by ``tests/afd/test_rendezvous.py`` (against a connector process) and
 ``tests/integration/test_afd_rendezvous_server.py`` (against a real FFN server).
 Both only ever connect to loopback addresses the tests chose.
 """

@@ -18,7 +18,7 @@ seen; those are tiny at construction time. vLLM's rotary-embedding cache is
 shared across builds in one process, so it is cleared before each build (each
 build then pays for its own).
 
-    python scripts/construction_bytes.py FAMILY=MODEL_DIR... [--role plain --role attention --role ffn]
+    python -m tests.support.construction_bytes FAMILY=MODEL_DIR... [--role plain --role attention --role ffn]
 
 prints one ``RESULT {json}`` line per model and role (plain is always built: it is the reference).
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from tests.support.engine import ARCH
+from tests.support.env import free_port
 
 ROLES = ("plain", "attention", "ffn")
 _FFN_PARAM = re.compile(r"(^|\.)layers\.\d+\.mlp\.")
@@ -82,12 +84,6 @@ def param_bytes(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _vllm_config(model_dir: Path, arch: str | None, role: str) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -95,7 +91,7 @@ def _vllm_config(model_dir: Path, arch: str | None, role: str) -> Any:
                                   dtype="float32")
     if role != "plain":
         kwargs["hf_overrides"] = {"architectures": [arch]}
-        kwargs["additional_config"] = {"afd": {"role": role, "connector": "torch_dist", "port": _free_port()}}
+        kwargs["additional_config"] = {"afd": {"role": role, "connector": "torch_dist", "port": free_port()}}
     return EngineArgs(**kwargs).create_engine_config()
 
 
@@ -107,7 +103,7 @@ def _init_parallel_state() -> None:
         parallel_state.destroy_model_parallel()
     else:
         parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                                    distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                                    distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
     parallel_state.initialize_model_parallel(1, 1)
 
 
@@ -160,8 +156,6 @@ def measure(model_dir: Path, arch: str, roles: tuple[str, ...] = ROLES) -> dict[
 
 
 def main() -> None:
-    from afd_engine import ARCH
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", metavar="FAMILY=MODEL_DIR", help=f"FAMILY: {', '.join(ARCH)}")
     parser.add_argument("--role", action="append", choices=ROLES)

@@ -1,19 +1,28 @@
-"""One vLLM engine of an AFD pair (or a plain one), run as its own process — and the helpers to run several.
+"""The one vLLM driver of the tests, the demo and the benchmarks: an engine per process.
 
-As a script: ``python scripts/afd_engine.py SPEC.json``. SPEC keys: ``mode``
-(plain | attention | ffn), ``model``, ``arch`` (AFD architecture), ``afd`` (the
-``additional_config["afd"]`` mapping), ``prompts`` (token-id lists),
-``max_tokens``, ``logprobs``, ``out`` (result JSON path), ``ffn_wait_s``;
-optional ``multiprocessing`` (vLLM's own process split; default off: one process),
-``ready_flag`` (a file created once the engine is up), ``generate``
-(default true; false for an idle attention rank), ``done_flag`` (a file created
-once generation is done) and ``wait_for`` (files that must exist before this
-rank closes its connector, e.g. to keep an idle rank up while a busy one works). Writes ``{"tokens", "logprobs",
-"stats", "seconds"}``.
+Every run, plain or AFD, builds ``LLM(**engine_kwargs(spec))``: ``enforce_eager=True``,
+``max_model_len=256``, ``skip_tokenizer_init=True`` (token-id prompts), float32, seed 0, a
+64 MiB KV cache, ``max_num_seqs=8``; sampling is greedy (temperature 0, ``ignore_eos``) with
+top-``logprobs`` logprobs, reported as vLLM returns them (no rounding).
 
-As a module (tests, demo, benchmarks): ``run_engines(specs, workdir)`` starts one
-process per spec, FFN first, each in its own session under a hard time limit,
-and returns their results; ``start``/``kill`` for finer control.
+As a module run in its own process: ``python -m tests.support.engine SPEC.json`` (``cwd`` the
+repository root). SPEC keys: ``mode`` (plain | attention | ffn), ``model``, ``prompts``
+(token-id lists), ``max_tokens``, ``logprobs``, ``out`` (result JSON path); for the AFD
+roles ``arch`` (the AFD architecture) and ``afd`` (the ``additional_config["afd"]`` mapping);
+for a plain run optionally ``additional_config`` and ``hf_overrides`` as given (a run that
+asks for AFD the wrong way). Optional: ``multiprocessing`` (vLLM's own process split: front
+end, engine core, worker; default off: one process), ``env`` (extra environment variables),
+``ffn_wait_s``, ``ready_flag`` (a file created once the engine is up), ``generate`` (default
+true; false for an idle attention rank), ``done_flag`` (a file created once generation is
+done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
+keep an idle rank up while a busy one works). Writes ``{"tokens", "logprobs", "stats",
+"seconds", "worker_cls"}``.
+
+From the tests: ``run_engines(specs, workdir)`` starts one process per spec, in order (FFN
+first), each in its own session under a hard time limit, and returns their results or raises
+``EngineFailed``; ``generate(model, workdir, ...)`` runs one engine and returns its exit code,
+result and output without raising (for runs that are meant to fail); ``start``/``kill`` for
+finer control.
 """
 
 from __future__ import annotations
@@ -21,16 +30,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.support.env import REPO, vllm_env
+
 ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3": "AFDQwen3ForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM",
         "deepseek_v2": "AFDDeepseekV2ForCausalLM"}
+PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 4], [250, 251, 252, 253, 254, 255, 256, 7]]
 ENGINE_TIMEOUT_S = 300.0
 
 
@@ -41,23 +53,13 @@ class EngineFailed(RuntimeError):
 Engine = tuple[subprocess.Popen[bytes], Path, Path]  # (process, its log, its result file)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@dataclass(slots=True, frozen=True)
+class Generation:
+    """One engine run's exit code, its result (None when it wrote none) and its whole output."""
 
-
-def engine_env(workdir: Path, multiprocessing: bool = False) -> dict[str, str]:
-    """Offline, cache inside ``workdir``; one process per engine unless ``multiprocessing``
-    (vLLM's default: front end, engine core and worker processes)."""
-    env = dict(os.environ)
-    env.update(
-        VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-        OMP_NUM_THREADS="1", VLLM_CACHE_ROOT=str(workdir / "vllm-cache"), VLLM_CPU_OMP_THREADS_BIND="nobind",
-    )
-    if not multiprocessing:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return env
+    returncode: int
+    result: dict[str, Any] | None
+    output: str
 
 
 def tail(log: Path, n: int = 4000) -> str:
@@ -69,13 +71,16 @@ def start(spec: dict[str, Any], workdir: Path) -> Engine:
     """Start one engine process for ``spec`` in its own session; (process, log, result path)."""
     spec_path = workdir / f"spec-{spec['name']}.json"
     spec["out"] = str(workdir / f"out-{spec['name']}.json")
+    Path(spec["out"]).unlink(missing_ok=True)
     spec.setdefault("ffn_wait_s", ENGINE_TIMEOUT_S)
     spec_path.write_text(json.dumps(spec))
     log = workdir / f"log-{spec['name']}.txt"
-    env = engine_env(workdir, spec.get("multiprocessing", False))
+    extra = dict(spec.get("env", {}))
+    if not spec.get("multiprocessing", False):
+        extra.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, __file__, str(spec_path)], env=env,
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.engine", str(spec_path)], env=vllm_env(**extra),
+                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     return proc, log, Path(spec["out"])
 
 
@@ -127,7 +132,36 @@ def run_engines(specs: list[dict[str, Any]], workdir: Path, timeout_s: float = E
         kill(proc for proc, _, _ in procs)
 
 
-def _engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+def generate(model: Path, workdir: Path, *, name: str = "plain", prompts: list[list[int]] | None = None,
+             max_tokens: int = 8, logprobs: int = 5, additional_config: dict[str, Any] | None = None,
+             hf_overrides: dict[str, Any] | None = None, multiprocessing: bool = True,
+             timeout_s: float = 420.0, **env: str) -> Generation:
+    """One plain-mode engine on ``model`` (vLLM's multiprocessing on by default), never raising.
+
+    ``additional_config``/``hf_overrides`` are passed to ``LLM`` as given; ``env`` adds
+    environment variables (e.g. ``PATCHKIT_REPORT_DIR``, ``VLLM_PLUGINS=""``). A run past
+    ``timeout_s`` is killed and reported with return code -9.
+    """
+    spec: dict[str, Any] = {"name": name, "mode": "plain", "model": str(model), "prompts": prompts or PROMPTS,
+                            "max_tokens": max_tokens, "logprobs": logprobs, "multiprocessing": multiprocessing,
+                            "env": env}
+    if additional_config is not None:
+        spec["additional_config"] = additional_config
+    if hf_overrides is not None:
+        spec["hf_overrides"] = hf_overrides
+    proc, log, out = start(spec, workdir)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass  # killed below: its return code says so
+    finally:
+        kill([proc])
+    result = json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else None
+    return Generation(proc.returncode, result, tail(log, 1 << 30))
+
+
+def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """The ``LLM(...)`` keyword arguments for ``spec`` (the same settings for every mode)."""
     kwargs: dict[str, Any] = dict(
         model=spec["model"],
         enforce_eager=True,
@@ -141,6 +175,10 @@ def _engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["mode"] != "plain":
         kwargs["hf_overrides"] = {"architectures": [spec["arch"]]}
         kwargs["additional_config"] = {"afd": spec["afd"]}
+    else:
+        for key in ("additional_config", "hf_overrides"):
+            if key in spec:
+                kwargs[key] = spec[key]
     return kwargs
 
 
@@ -149,10 +187,11 @@ def _generate(llm: Any, spec: dict[str, Any]) -> tuple[list[list[int]], list[lis
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], logprobs=spec["logprobs"],
-                            ignore_eos=True)
+                            ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs]
+    logprobs = [[{str(t): lp.logprob for t, lp in sorted(step.items())} for step in o.outputs[0].logprobs]
+                for o in outs]
     return tokens, logprobs
 
 
@@ -162,8 +201,9 @@ def main(spec_path: str) -> None:
 
     result: dict[str, Any] = {"seconds": {}}
     t0 = time.monotonic()
-    llm = LLM(**_engine_kwargs(spec))
+    llm = LLM(**engine_kwargs(spec))
     result["seconds"]["start"] = time.monotonic() - t0
+    result["worker_cls"] = str(llm.llm_engine.vllm_config.parallel_config.worker_cls)
     if spec.get("ready_flag"):
         Path(spec["ready_flag"]).write_text("ready")
     mode = spec["mode"]

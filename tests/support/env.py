@@ -1,44 +1,38 @@
-"""Running real vLLM in a fresh process (scripts/generate.py) with the offline test environment.
+"""The environment every real-vLLM subprocess of the tests, the demo and the benchmarks runs in.
 
-Shared by the tests, the demo and the benchmarks."""
+One policy: offline (no usage stats, no hub), one OpenMP thread, and one vLLM cache inside
+the checkout (``.cache/vllm``; vLLM writes its model-inspection cache atomically, so engines
+started side by side may share it). Variables that would steer patchkit or switch plugins off
+(``PATCHKIT_*``, ``VLLM_PLUGINS``) are dropped from the inherited environment; a caller that
+wants them passes them in ``extra``.
+"""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from dataclasses import dataclass
+import socket
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1", "VLLM_CACHE_ROOT": str(REPO / ".cache" / "vllm"),
+    "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CACHE_ROOT": str(REPO / ".cache" / "vllm"),
 }
 
 
-@dataclass
-class Generation:
-    returncode: int
-    result: dict | None
-    output: str
-
-
 def vllm_env(**extra: str) -> dict[str, str]:
+    """The inherited environment without ``PATCHKIT_*``/``VLLM_PLUGINS``, plus ``BASE_ENV``, plus ``extra``.
+
+    Drivers run as ``python -m tests.support.NAME`` with ``cwd=REPO`` (``-m`` puts the
+    working directory first on ``sys.path``), so nothing here edits ``PYTHONPATH``.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PATCHKIT_", "VLLM_PLUGINS"))}
     return {**env, **BASE_ENV, **extra}
 
 
-def run_generate(model: Path, *args: str, timeout: float = 420, **env: str) -> Generation:
-    """Run scripts/generate.py in a fresh process (vLLM's multiprocessing on unless env says otherwise)."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "generate.py"), str(model), *args],
-        env=vllm_env(**env), capture_output=True, text=True, timeout=timeout, cwd=REPO,
-    )
-    result = None
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
-    return Generation(proc.returncode, result, proc.stdout + proc.stderr)
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the usual race: another process may take it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
