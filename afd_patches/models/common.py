@@ -215,7 +215,15 @@ class AfdCausalLMMixin(nn.Module):
     Subclasses set ``afd_decoder_layer``, ``afd_ffn_classes`` (with
     ``afd_moe_classes`` among them, if any) and ``afd_ffn_attr``, and implement
     ``afd_build_ffn``; they may override ``afd_is_ffn_weight``,
-    ``afd_load_ffn_weights`` and ``afd_check_attention_layers``.
+    ``afd_load_ffn_weights``, ``afd_check_attention_layers`` and
+    ``afd_describe_experts``.
+
+    MoE bookkeeping (the attributes vLLM reads for expert load balancing and
+    metrics): on the FFN role ``moe_layers`` lists each MoE block's ``experts``
+    and ``num_moe_layers`` counts them, and ``afd_describe_experts`` sets the
+    architecture's expert counts from the same blocks; on the attention role
+    both lists are empty and ``num_moe_layers`` is 0 (the experts live on the
+    FFN role). Architectures without ``afd_moe_classes`` get none of these.
     """
 
     afd_decoder_layer: ClassVar[type[nn.Module]]  # its module names the FFN classes it builds
@@ -245,6 +253,8 @@ class AfdCausalLMMixin(nn.Module):
             nn.Module.__init__(self)  # the vLLM model's own __init__ would build attention and KV layers
             self.afd_role = FFN
             self._afd_build_ffn_model(vllm_config, prefix)
+            if self.afd_moe_classes:
+                self._afd_count_experts()
 
     # ---- subclass hooks -------------------------------------------------
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
@@ -261,6 +271,9 @@ class AfdCausalLMMixin(nn.Module):
 
         mapper = getattr(self, "hf_to_vllm_mapper", None)
         return AutoWeightsLoader(self).load_weights(weights, mapper=mapper)
+
+    def afd_describe_experts(self, blocks: list[nn.Module]) -> None:
+        """FFN role: set the architecture's expert counts from its MoE ``blocks`` (in layer order, maybe [])."""
 
     # ---- construction ---------------------------------------------------
     def _afd_layers(self) -> nn.ModuleList:
@@ -287,6 +300,14 @@ class AfdCausalLMMixin(nn.Module):
             self.num_moe_layers = 0
         if hasattr(self, "moe_mlp_layers"):
             self.moe_mlp_layers = []
+
+    def _afd_count_experts(self) -> None:
+        """FFN role, after construction: vLLM's MoE bookkeeping describes the experts built here."""
+        blocks = [ffn for layer in self._afd_layers()
+                  if isinstance(ffn := getattr(layer, self.afd_ffn_attr), self.afd_moe_classes)]
+        self.moe_layers = [b.experts for b in blocks]
+        self.num_moe_layers = len(blocks)
+        self.afd_describe_experts(blocks)
 
     def _afd_build_ffn_model(self, vllm_config: Any, prefix: str) -> None:
         from vllm.model_executor.models.utils import maybe_prefix

@@ -52,7 +52,7 @@ from vllm.model_executor.models.utils import (
     get_spec_layer_idx_from_weight_name,
 )
 
-from afd_patches.models.common import ATTENTION, AfdCausalLMMixin, build_dense_mlp
+from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp
 
 # Checkpoint -> vLLM names of the FFN role's fused dense projections. Routed
 # experts (``mlp.experts.E.*``) do not match and go to FusedMoE's own loader.
@@ -83,19 +83,14 @@ class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
     afd_moe_classes = (DeepseekV2MoE,)
     afd_needs_forward_context = True
 
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        if self.afd_role == ATTENTION:
-            return  # the experts live on the FFN role
-        blocks = [getattr(layer, self.afd_ffn_attr) for layer in self._afd_layers()]
-        sparse = [b for b in blocks if isinstance(b, DeepseekV2MoE)]
-        if any(b.is_fused_shared_expert_enabled for b in sparse):
+    def afd_describe_experts(self, blocks: list[nn.Module]) -> None:
+        """What ``DeepseekV2ForCausalLM.__init__`` sets: ``moe_mlp_layers``, expert groups, and vLLM's own
+        ``extract_moe_parameters`` on the last MoE block. ROCm AITER fused shared experts are refused."""
+        if any(b.is_fused_shared_expert_enabled for b in blocks):
             raise NotImplementedError("AFD DeepSeek FFN role: ROCm AITER fused shared experts are not supported")
-        self.moe_mlp_layers = sparse
-        self.moe_layers = [b.experts for b in sparse]
-        self.num_moe_layers = len(sparse)
+        self.moe_mlp_layers = blocks
         self.num_expert_groups = getattr(self.config, "n_group", 1)
-        self.extract_moe_parameters(sparse[-1] if sparse else None)
+        self.extract_moe_parameters(blocks[-1] if blocks else None)
 
     # ---- attention role -------------------------------------------------
     def afd_check_attention_layers(self) -> None:

@@ -25,7 +25,7 @@ from vllm.model_executor.models.qwen3_moe import (
     Qwen3MoeSparseMoeBlock,
 )
 
-from afd_patches.models.common import ATTENTION, AfdCausalLMMixin, build_dense_mlp
+from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp
 
 
 def _is_sparse(config: Any, layer: int) -> bool:
@@ -47,22 +47,17 @@ class AFDQwen3MoeForCausalLM(AfdCausalLMMixin, Qwen3MoeForCausalLM):
     afd_moe_classes = (Qwen3MoeSparseMoeBlock,)
     afd_needs_forward_context = True
 
-    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        if self.afd_role == ATTENTION:
-            return  # the experts live on the FFN role
-        blocks = [getattr(layer, self.afd_ffn_attr) for layer in self._afd_layers()]
-        sparse = [b for b in blocks if isinstance(b, Qwen3MoeSparseMoeBlock)]
-        self.moe_layers = [b.experts for b in sparse]
-        self.num_moe_layers = len(sparse)
+    def afd_describe_experts(self, blocks: list[nn.Module]) -> None:
+        """The expert counts ``Qwen3MoeForCausalLM.__init__`` sets, from the first sparse block."""
         self.num_expert_groups = 1
         self.num_shared_experts = 0
-        if sparse:
-            self.num_logical_experts = sparse[0].n_logical_experts
-            self.num_physical_experts = sparse[0].n_physical_experts
-            self.num_local_physical_experts = sparse[0].n_local_physical_experts
-            self.num_routed_experts = sparse[0].n_routed_experts
-            self.num_redundant_experts = sparse[0].n_redundant_experts
+        if blocks:
+            first = blocks[0]
+            self.num_logical_experts = first.n_logical_experts
+            self.num_physical_experts = first.n_physical_experts
+            self.num_local_physical_experts = first.n_local_physical_experts
+            self.num_routed_experts = first.n_routed_experts
+            self.num_redundant_experts = first.n_redundant_experts
 
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
         config = vllm_config.model_config.hf_text_config
