@@ -23,6 +23,7 @@ from afd_patches.compat import cli_flags
 from afd_patches.compat.cli_flags import AfdCliError, add_afd_cli_args, afd_from_cli_args, apply_flags
 from afd_patches.config import AfdConfigError, parse
 from patchkit.plan import Runtime
+from tests.support.manifests import header
 
 
 @dataclasses.dataclass
@@ -187,11 +188,7 @@ ARG_UTILS = {
     ''',
 }
 
-MANIFEST = """
-format: 1
-plugin: clitest
-packages: [afd_patches]
-vllm: {version: "==0.32.0"}
+MANIFEST = header("clitest", "afd_patches") + """
 patches:
   - {id: flags, target: "fakevllm.arg_utils:EngineArgs.add_cli_args", op: wrap,
      with: "afd_patches.compat.cli_flags:add_afd_cli_args", rebind: none, why: t}

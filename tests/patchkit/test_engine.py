@@ -15,6 +15,7 @@ from patchkit import cli, fingerprint
 from patchkit.manifest import select as selection
 from patchkit.plan import Runtime
 from patchkit.runtime import cache, engine
+from tests.support.manifests import header
 
 VICTIM = {
     "victim/__init__.py": "",
@@ -84,12 +85,7 @@ VICTIM = {
     ''',
 }
 
-HEADER = """
-format: 1
-plugin: testplug
-packages: [plug]
-vllm: {version: "==0.32.0"}
-"""
+HEADER = header("testplug", "plug")
 
 
 def greet_fp() -> str:
@@ -455,7 +451,7 @@ patches:
   - {id: loud, target: "victim.core:greet", op: wrap, with: "plug.patches:loud", why: t, colour: red}
 """)
     status = activate(d, runtime)
-    assert not status.active and "m.yaml:8: patches[0].colour: unknown key" in status.problem
+    assert not status.active and "m.yaml:7: patches[0].colour: unknown key" in status.problem
     assert core.greet is original
 
 

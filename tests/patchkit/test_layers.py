@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from patchkit.manifest.validate import _find_cycle
+from tests.support.manifests import header
 
 PACKAGE = Path(__file__).resolve().parents[2] / "patchkit"
 BASICS = {"patchkit.errors", "patchkit.plan", "patchkit.fingerprint"}
@@ -114,7 +115,7 @@ def test_the_hook_loads_only_the_warm_path(tmp_path):
     manifests = tmp_path / "manifests"
     manifests.mkdir()
     (manifests / "m.yaml").write_text(
-        'format: 1\nplugin: lazy\npackages: [lazyplug]\nvllm: {version: "==0.32.0"}\npatches:\n'
+        header("lazy", "lazyplug") + 'patches:\n'
         '  - {id: w, target: "lazyvictim.core:f", op: wrap, with: "lazyplug.p:w", why: t}\n')
     env = {**os.environ, "PATCHKIT_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(PACKAGE.parent)}
     env.pop("PATCHKIT_DISABLE", None)

@@ -32,6 +32,7 @@ from patchkit import manifest
 from patchkit.errors import ManifestError
 from patchkit.plan import Runtime
 from patchkit.runtime import engine, imports, rebind
+from tests.support.manifests import header
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -61,7 +62,7 @@ TREE = {
             return "owned"
     """,
 }
-HEAD = 'format: 1\nplugin: trust\npackages: [tplug]\nvllm: {version: "==0.32.0"}\n'
+HEAD = header("trust", "tplug")
 MANIFEST = HEAD + """patches:
   - id: run
     target: tvictim.core:Engine.run
@@ -261,7 +262,7 @@ FAULT_TREE = {
     "fplug/__init__.py": "",
     "fplug/w.py": "def loud(original, *a, **k):\n    return ('loud', original(*a, **k))\n",
 }
-FAULT_HEAD = 'format: 1\nplugin: fault\npackages: [fplug]\nvllm: {version: "==0.32.0"}\n'
+FAULT_HEAD = header("fault", "fplug")
 
 
 def fault_manifest(*entries: str) -> str:

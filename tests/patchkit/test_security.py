@@ -27,6 +27,7 @@ from patchkit import manifest
 from patchkit.errors import ManifestError
 from patchkit.plan import Runtime
 from patchkit.runtime.cache import cache_dir
+from tests.support.manifests import header
 
 REPO = Path(__file__).resolve().parents[2]
 SENTINEL = "pksentinel"
@@ -37,7 +38,7 @@ TREE = {
                     "def role_of(config):\n    return None\n",
     "secvictim/__init__.py": "def f(x):\n    return x\n\ndef g(x):\n    return x\n",
 }
-HEAD = 'format: 1\nplugin: sec\npackages: [secplug]\nvllm: {version: "==0.32.0"}\n'
+HEAD = header("sec", "secplug")
 ENTRY = '  - {id: a, target: "secvictim:f", op: wrap, with: "secplug.w:loud", why: t}\n'
 
 

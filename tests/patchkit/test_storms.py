@@ -26,6 +26,7 @@ import pytest
 import patchkit
 from patchkit import cli
 from patchkit.plan import Runtime
+from tests.support.manifests import header
 
 SPAWNED, FORKED, THREADS, ROUNDS = 16, 16, 8, 3
 DEADLINE_S = 90.0
@@ -118,11 +119,7 @@ TREE = {
     ''',
 }
 
-MANIFEST = """\
-format: 1
-plugin: storm
-packages: [stplug]
-vllm: {version: "==0.32.0"}
+MANIFEST = header("storm", "stplug") + """\
 patches:
   - {id: wrap-f, target: "stvictim.core:f", op: wrap, with: "stplug.w:count", why: t}
   - {id: wrap-m, target: "stvictim.core:K.m", op: wrap, with: "stplug.w:count", rebind: none, why: t}
