@@ -1,4 +1,10 @@
-"""Shared fixtures: throwaway packages and manifests written to a temp dir."""
+"""Shared fixtures: throwaway packages and manifests written to a temp dir.
+
+``sandbox`` writes a test file's throwaway packages (a victim to patch, a plugin package
+with the replacements) on a fresh ``sys.path`` entry; ``manifest_dir`` writes one manifest,
+usually ``tests.support.manifests.header(...)`` plus entries; ``runtime`` says "vLLM 0.32.0
+on cpu" without importing vLLM. Code shared beyond fixtures lives in ``tests/support/``.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,6 @@ import pytest
 
 import patchkit
 from patchkit.plan import Runtime
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ from pathlib import Path
 from patchkit.cli import main
 from patchkit.manifest import registered_manifest_dirs
 from patchkit.review.docs import render, run_docs
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.env import REPO
 
 
 def test_committed_patches_md_is_current():

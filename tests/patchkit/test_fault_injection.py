@@ -30,8 +30,8 @@ from patchkit.plan import Runtime
 from patchkit.runtime import engine
 from patchkit.runtime.imports import pending as pending_imports
 from patchkit.runtime.targets import Slot, unwrap_descriptor
+from tests.support.env import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 REAL = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
 PLUGIN = "fkafd"
 FACTORY = "def {name}(original, *args, **kwargs):\n    CALLS.append({name!r})\n    return original(*args, **kwargs)\n"

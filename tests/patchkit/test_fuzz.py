@@ -42,8 +42,8 @@ from patchkit.errors import ManifestError
 from patchkit.plan import Manifest, Runtime
 from patchkit.runtime import engine
 from patchkit.runtime.imports import pending as pending_imports
+from tests.support.env import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 REAL_MANIFESTS = sorted((REPO / "manifests" / "afd").glob("*.yaml"))
 
 COUNTS: dict[str, int] = {}

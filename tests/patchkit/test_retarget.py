@@ -24,8 +24,7 @@ from patchkit.review.check import run_check
 from patchkit.review.diff import diff_manifests
 from patchkit.review.retarget import normalize_commit, retarget_text, run_retarget, tree_commit
 from patchkit.review.static import open_tree
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.env import REPO
 
 BASE = {
     "vllm/__init__.py": "",

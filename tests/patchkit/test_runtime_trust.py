@@ -32,9 +32,9 @@ from patchkit import manifest
 from patchkit.errors import ManifestError
 from patchkit.plan import Runtime
 from patchkit.runtime import engine, imports, rebind
+from tests.support.env import REPO
 from tests.support.manifests import header
 
-REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 
 TREE = {

@@ -27,9 +27,9 @@ from patchkit import manifest
 from patchkit.errors import ManifestError
 from patchkit.plan import Runtime
 from patchkit.runtime.cache import cache_dir
+from tests.support.env import REPO
 from tests.support.manifests import header
 
-REPO = Path(__file__).resolve().parents[2]
 SENTINEL = "pksentinel"
 TREE = {
     f"{SENTINEL}.py": "def boom(*args, **kwargs):\n    raise SystemExit('sentinel ran')\n\nclass C:\n    pass\n",

@@ -21,8 +21,8 @@ import pytest
 from patchkit import manifest
 from patchkit.cli import main
 from patchkit.review.diff import diff_manifests, render, run_diff, run_git_driver
+from tests.support.env import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 FP1 = "ast1:1111111111111111:2222222222222222"
 FP2 = "ast1:1111111111111111:3333333333333333"
 FP3 = "ast1:4444444444444444:3333333333333333"

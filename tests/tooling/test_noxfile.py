@@ -6,9 +6,8 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.env import REPO
 
 
 def smoke_ids() -> list[str]:
