@@ -7,5 +7,4 @@
 - ``afd_probe``: hostile clients of the AFD rendezvous; ``drift_injection``: a drifted vLLM copy.
 - ``import_scan``: the reference import scan the static review's text scan is compared with.
 - ``manifests``: the manifest header synthetic-package tests share.
-
 """
