@@ -16,7 +16,8 @@ end, engine core, worker; default off: one process), ``env`` (extra environment 
 true; false for an idle attention rank), ``done_flag`` (a file created once generation is
 done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
 keep an idle rank up while a busy one works). Writes ``{"tokens", "logprobs", "stats",
-"seconds", "worker_cls"}``.
+"seconds", "worker_cls"}``. Each engine process runs in ``tests.support.env.vllm_env`` with
+thread binding off (``VLLM_CPU_OMP_THREADS_BIND=nobind``) and ``cwd`` the repository root.
 
 From the tests: ``run_engines(specs, workdir)`` starts one process per spec, in order (FFN
 first), each in its own session under a hard time limit, and returns their results or raises
@@ -75,7 +76,9 @@ def start(spec: dict[str, Any], workdir: Path) -> Engine:
     spec.setdefault("ffn_wait_s", ENGINE_TIMEOUT_S)
     spec_path.write_text(json.dumps(spec))
     log = workdir / f"log-{spec['name']}.txt"
-    extra = dict(spec.get("env", {}))
+    # No thread binding: engines started side by side would all be bound to the same core, and a
+    # one-process engine (the default here) would bind its front end along with its worker.
+    extra = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **spec.get("env", {})}
     if not spec.get("multiprocessing", False):
         extra.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with log.open("wb") as fh:

@@ -4,7 +4,8 @@ One policy: offline (no usage stats, no hub), one OpenMP thread, and one vLLM ca
 the checkout (``.cache/vllm``; vLLM writes its model-inspection cache atomically, so engines
 started side by side may share it). Variables that would steer patchkit or switch plugins off
 (``PATCHKIT_*``, ``VLLM_PLUGINS``) are dropped from the inherited environment; a caller that
-wants them passes them in ``extra``.
+wants them passes them in ``extra``. Thread binding is left to vLLM (``auto``) here; the
+engine driver (``tests.support.engine``) switches it off for its engines.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CACHE_ROOT": str(REPO / ".cache" / "vllm"),
+    "OMP_NUM_THREADS": "1", "VLLM_CACHE_ROOT": str(REPO / ".cache" / "vllm"),
 }
 
 
