@@ -74,8 +74,7 @@ def sample(hook: str, pre: str, cache_dir: str, collect: bool = False, count: bo
     code = PROBE.format(pre=pre, hook=hook, collect=collect or count, count=count)
     env = {**os.environ, "PATCHKIT_CACHE_DIR": cache_dir, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     env.pop("PATCHKIT_REPORT_DIR", None)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=REPO)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     for line in out.stdout.splitlines():
         if line.startswith("PROBE "):
             return json.loads(line[6:])
