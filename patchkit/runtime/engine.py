@@ -22,8 +22,9 @@ Guarantees:
   the rebind scope that holds our object, whenever it was bound. An attribute
   that someone else changed after us is left alone and reported.
 
-Wrappers are generated in this process (``patchkit.runtime.wrappers``);
-nothing executable is cached.
+How one entry is put in place and taken out is ``patchkit.runtime.targets``,
+loaded when the first entry's module is there. Wrappers are generated in this
+process (``patchkit.runtime.wrappers``); nothing executable is cached.
 
 Limits: an entry is applied once per process; references taken to the original
 before the swap are not reachable (see ``rebind``).
@@ -31,7 +32,6 @@ before the swap are not reachable (see ``rebind``).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import threading
@@ -41,7 +41,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from patchkit.errors import PatchError
-from patchkit.plan import MISSING, Compiled, Entry, Manifest, Runtime, override_key, runtime_verdict
+from patchkit.plan import MISSING, Compiled, Entry, Manifest, Runtime, runtime_verdict
 from patchkit.runtime import imports
 from patchkit.runtime.cache import Fingerprints
 
@@ -80,16 +80,6 @@ class Outcome:
             "reason": self.reason, "fingerprint": self.fingerprint,
             "ms": round(self.seconds * 1000, 3), "rebound": self.rebound, "unreachable": self.unreachable,
         }
-
-
-class _EntryFailed(Exception):
-    pass
-
-
-class _Skip(Exception):
-    def __init__(self, outcome: str, reason: str) -> None:
-        self.outcome = outcome
-        self.reason = reason
 
 
 class Run:
@@ -186,14 +176,22 @@ class Run:
 
     # -- one entry ----------------------------------------------------------------------------
     def _apply(self, entry: Entry, record: Outcome) -> None:
+        from patchkit.runtime import targets
+
         started = time.perf_counter()
         self._current = entry.id
         try:
-            self._apply_entry(entry, record)
-        except _Skip as skip:
+            marker = (self.plugin, entry.id)
+            targets.install(entry, record, self.plugin, self.runtime, self.compiled.static, self._fingerprints,
+                            _LIVE.get(marker))
+            _LIVE[marker] = record.installed
+            self._stack.append(record)  # from here on a rollback restores the slot and every rebound alias
+            record.outcome = "applied"
+            targets.rebind_aliases(entry, record, self.manifest.packages)
+        except targets.Skip as skip:
             record.outcome, record.reason = skip.outcome, skip.reason
-        except Exception as exc:  # noqa: BLE001 - _EntryFailed, or anything unexpected: named, rolled back
-            reason = str(exc) if isinstance(exc, _EntryFailed) else f"unexpected error: {exc!r}"
+        except Exception as exc:  # noqa: BLE001 - EntryFailed, or anything unexpected: named, rolled back
+            reason = str(exc) if isinstance(exc, targets.EntryFailed) else f"unexpected error: {exc!r}"
             if entry.required:
                 self._fail(PatchError(entry.id, reason))
                 record.outcome, record.reason = "failed", reason
@@ -201,109 +199,11 @@ class Run:
                 if record in self._stack:  # installed, then rebinding failed: undo this entry alone
                     self._stack.remove(record)
                     _LIVE.pop((self.plugin, entry.id), None)
-                    _undo(record, self._alias_scope(record))
+                    targets.undo(record, self._alias_scope(record))
                 record.outcome, record.reason = "failed-optional", reason
                 logger.warning("patchkit: optional entry %s left out: %s", entry.id, reason)
         finally:
             record.seconds = time.perf_counter() - started
-
-    def _drift(self, entry: Entry, what: str) -> None:
-        """Apply the entry's ``on_drift`` policy to a drifted or missing target."""
-        if entry.on_drift == "fail":
-            raise _EntryFailed(what)
-        logger.warning("patchkit: %s: %s (on_drift=%s)", entry.id, what, entry.on_drift)
-        if entry.on_drift == "skip":
-            raise _Skip("skipped", what)
-
-    def _apply_entry(self, entry: Entry, record: Outcome) -> None:
-        from patchkit.runtime.targets import Slot, TargetMissing, unwrap_descriptor
-
-        marker = (self.plugin, entry.id)
-        try:
-            slot = Slot.resolve(entry.target)
-            original = slot.get_raw() if (entry.op != "set" or slot.exists()) else MISSING
-        except TargetMissing as exc:
-            self._drift(entry, f"target {entry.target} is missing: {exc}")
-            raise _Skip("skipped", f"target missing: {exc}") from None
-        func, descriptor = unwrap_descriptor(original)
-        if getattr(func, "__patchkit__", None) == marker or _LIVE.get(marker) is original:
-            raise _Skip("already-applied", "")
-        self._probe(entry, slot, func)
-        if entry.fingerprint and original is not MISSING:
-            actual = self._fingerprint_of(func)
-            verdict = "match" if actual == entry.fingerprint else _compare(entry.fingerprint, actual)
-            record.fingerprint = verdict
-            if verdict != "match":
-                self._drift(entry, f"{entry.target} {verdict} (pinned {entry.fingerprint}, found {actual})")
-        new = self._new_object(entry, func)
-        if descriptor is not None:
-            new = descriptor(new)
-        try:
-            slot.set_raw(new)
-        except Exception as exc:  # noqa: BLE001 - whatever a metaclass or module raises
-            raise _EntryFailed(f"cannot set {entry.target}: {exc!r}") from None
-        record.slot, record.original, record.installed = slot, original, new
-        _LIVE[marker] = new
-        self._stack.append(record)  # from here on a rollback restores the slot and every rebound alias
-        record.outcome = "applied"
-        if not slot.on_class and original is not MISSING and entry.op != "set":
-            from patchkit.runtime import rebind
-
-            try:
-                scope = rebind.scope(entry.module, entry.rebind, self.manifest.packages)
-                rebind.rebind(slot.name, original, new, scope, slot.owner, into=record.rebound)
-                auto = rebind.scope(entry.module, "auto", self.manifest.packages)
-                record.unreachable = rebind.unreachable(slot.name, original, auto, slot.owner)
-            except Exception as exc:  # noqa: BLE001 - rolled back by the caller, named here
-                raise _EntryFailed(f"rebinding aliases of {entry.target} failed: {exc!r}") from None
-
-    def _probe(self, entry: Entry, slot: Slot, func: Any) -> None:
-        module = slot.owner if not slot.on_class else inspect.getmodule(slot.owner)
-        for qualname in entry.when.get("has_attr", []):
-            obj: Any = module
-            for part in qualname.split("."):
-                obj = getattr(obj, part, MISSING)
-                if obj is MISSING:
-                    raise _Skip("guarded-out", f"probe has_attr {qualname}: absent")
-        wanted = entry.when.get("has_param", [])
-        if wanted:
-            try:
-                params = inspect.signature(func).parameters
-            except (TypeError, ValueError):
-                params = {}
-            missing = [p for p in wanted if p not in params]
-            if missing:
-                raise _Skip("guarded-out", f"probe has_param: {entry.target} lacks {', '.join(missing)}")
-
-    def _fingerprint_of(self, func: Any) -> str | None:
-        return self._fingerprints.of(func)
-
-    def _new_object(self, entry: Entry, func: Any) -> Any:
-        from patchkit.runtime.targets import import_ref
-        from patchkit.runtime.wrappers import make_wrapper
-
-        marker = (self.plugin, entry.id)
-        if entry.op == "set" and entry.has_value:
-            return entry.value
-        if entry.op == "workers":
-            from patchkit.runtime import vllm as vllm_adapter
-
-            try:
-                spec = entry.workers or {}
-                static = [self.compiled.static.get(override_key(entry.id, i)) for i in range(len(spec["overrides"]))]
-                factory = vllm_adapter.worker_wrapper(spec, self.runtime, static)
-            except Exception as exc:  # noqa: BLE001 - reported as this entry's failure
-                raise _EntryFailed(f"cannot build worker override: {exc!r}") from None
-            return make_wrapper(factory, func, marker)
-        try:
-            obj = import_ref(entry.with_ or "")
-        except Exception as exc:  # noqa: BLE001 - any import failure is this entry's failure
-            raise _EntryFailed(f"cannot import {entry.with_}: {exc!r}") from None
-        if entry.op == "wrap":
-            if not callable(obj) or not callable(func):
-                raise _EntryFailed(f"wrap needs callables ({entry.with_}, {entry.target})")
-            return make_wrapper(obj, func, marker)
-        return obj
 
     # -- models ----------------------------------------------------------------------------
     def _model(self, record_id: str) -> Any:
@@ -345,9 +245,11 @@ class Run:
         """Restore every applied entry, newest first; a step that raises is logged and marked."""
         for callback in self._callbacks:
             imports.cancel(callback)
+        if self._stack:
+            from patchkit.runtime import targets
         for record in reversed(self._stack):
             try:
-                _undo(record, self._alias_scope(record))
+                targets.undo(record, self._alias_scope(record))
                 record.outcome = outcome
             except Exception as exc:  # noqa: BLE001 - go on with the others, say which one failed
                 record.outcome, record.reason = "undo-failed", repr(exc)
@@ -359,14 +261,9 @@ class Run:
                 record.outcome = "cancelled"
 
     def _alias_scope(self, record: Outcome) -> tuple[str, ...]:
-        """Where aliases of a module-level entry's object may be: its rebind scope, and ``auto``'s."""
-        entry = self.entries.get(record.id)
-        if entry is None or entry.op == "set" or record.slot is None or record.slot.on_class:
-            return ()
-        from patchkit.runtime import rebind
+        from patchkit.runtime import targets
 
-        packages = self.manifest.packages
-        return (*rebind.scope(entry.module, entry.rebind, packages), *rebind.scope(entry.module, "auto", packages))
+        return targets.alias_scope(self.entries.get(record.id), record, self.manifest.packages)
 
     def revert(self) -> None:
         with self._lock:
@@ -388,32 +285,5 @@ class Run:
             "entries": [r.to_json() for r in self.records.values()],
         }
 
-
-def _compare(expected: str, actual: str | None) -> str:
-    """``fingerprint.compare`` for a fingerprint that differs: which half drifted (imported only then)."""
-    from patchkit import fingerprint
-
-    return fingerprint.compare(expected, actual)
-
-
-def _undo(record: Outcome, alias_scope: tuple[str, ...]) -> None:
-    """Put ``record``'s original back, and every alias in ``alias_scope`` that holds our object."""
-    if record.undo is not None:
-        record.undo()
-        return
-    slot = record.slot
-    assert slot is not None
-    if alias_scope and record.original is not MISSING:
-        from patchkit.runtime import rebind
-
-        rebind.restore(record.installed, record.original, (*record.rebound, *alias_scope), slot.owner)
-    current = vars(slot.owner).get(slot.name, MISSING) if slot.on_class else getattr(slot.owner, slot.name, MISSING)
-    if current is not record.installed:
-        logger.warning("patchkit: %s was changed after %s patched it; left as it is", record.target, record.id)
-        return
-    if record.original is MISSING:
-        slot.delete()
-    else:
-        slot.set_raw(record.original)
 
 _LIVE: dict[tuple[str, str], Any] = {}

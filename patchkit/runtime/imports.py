@@ -1,4 +1,4 @@
-"""Run a callback right after a module is imported, before any importer sees it.
+"""Run a callback right after a module is imported, before any importer sees it; import a ``module:qualname``.
 
 ``when_imported(name, callback)`` calls ``callback(module)`` at once when the
 module is already fully imported; otherwise a finder at the front of
@@ -27,6 +27,7 @@ Python 3.3; where it is missing, registration falls back to the plain check.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import sys
 import threading
@@ -148,3 +149,12 @@ def pending() -> dict[str, int]:
     """Module name → number of callbacks still waiting (for reports and tests)."""
     with _lock:
         return {name: len(cbs) for name, cbs in _pending.items()}
+
+
+def import_ref(ref: str) -> Any:
+    """Import ``module:qualname`` and return the object (used for callables named by a manifest)."""
+    module_name, _, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from patchkit.plan import Runtime, runtime_verdict
-from patchkit.runtime.targets import import_ref
+from patchkit.runtime.imports import import_ref
 
 logger = logging.getLogger("patchkit")
 

@@ -31,7 +31,7 @@ import patchkit
 from patchkit import manifest
 from patchkit.errors import ManifestError
 from patchkit.plan import Runtime
-from patchkit.runtime import engine, imports, rebind
+from patchkit.runtime import imports, rebind, targets
 from tests.support.env import REPO
 from tests.support.manifests import header
 
@@ -325,14 +325,14 @@ def test_an_unexpected_error_while_applying_is_named_and_rolled_back(
     import fvictim.funcs
 
     original = fvictim.funcs.greet
-    real = engine.Run._new_object
+    real = targets.new_object
 
-    def broken(self: engine.Run, entry: Any, func: Any) -> Any:
+    def broken(entry: Any, func: Any, *args: Any) -> Any:
         if entry.id == "other":
             raise KeyError("not an error patchkit expects")
-        return real(self, entry, func)
+        return real(entry, func, *args)
 
-    monkeypatch.setattr(engine.Run, "_new_object", broken)
+    monkeypatch.setattr(targets, "new_object", broken)
     status = activate(manifest_dir(fault_manifest(GREET, OTHER)), runtime)
     assert not status.active and "other" in (status.problem or "") and "KeyError" in (status.problem or "")
     assert fvictim.funcs.greet is original
