@@ -144,6 +144,7 @@ from afd_patches.connectors import auth, handshake, liveness
 from afd_patches.connectors.arrivals import Arrivals
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout, Meta
 from afd_patches.connectors.metrics import METRICS
+from afd_patches.connectors.sockets import SocketArrivals, SocketLinks
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -167,6 +168,7 @@ POLL_MIN_S, POLL_MAX_S, POLL_IDLE_S = 2e-5, 1e-3, 1e-2  # NCCL polling backoff (
 CLOSE_WAIT_S = 2.0  # how long close() waits for each peer to take its CLOSE header
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # see "Timeouts and failures": idle is not a failure
 MAX_MESSAGE_BYTES = 1 << 30  # bound on one received tensor when the model's identity gives no tighter one
+HOST_BACKENDS = ("gloo", "tcp")  # backends whose messages live in host memory (and that can serve pingpong)
 EXTRA_KEYS = ("backend", "device", "idle_timeout_s", "inline_bytes", "schedule")
 
 # Stable wire codes; a dtype missing from this torch build is simply not offered.
@@ -277,10 +279,10 @@ class TorchDistConnector(Connector):
             raise ConnectorError(
                 f"connector_extra_config: unknown key(s) {unknown} for torch_dist (known: {list(EXTRA_KEYS)})"
             )
-        self.backend: str = extra.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.backend: str = extra.get("backend") or ("nccl" if torch.cuda.is_available() else "tcp")
         if "device" in extra:
             self.device = torch.device(extra["device"])
-        elif self.backend == "gloo":
+        elif self.backend in HOST_BACKENDS:
             self.device = torch.device("cpu")
         else:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -294,13 +296,16 @@ class TorchDistConnector(Connector):
             raise ConnectorError(
                 f"connector_extra_config.inline_bytes={self.inline_bytes}: must be >= 0, and 0 unless backend is gloo"
             )
+        if self.backend == "tcp" and self.device.type != "cpu":
+            raise ConnectorError(f"connector_extra_config.device={self.device}: backend tcp carries host memory "
+                                 "only (leave device unset)")
         self.schedule = config.schedule
-        if self.schedule not in SCHEDULES or (self.schedule == "pingpong" and self.backend != "gloo"):
+        if self.schedule not in SCHEDULES or (self.schedule == "pingpong" and self.backend not in HOST_BACKENDS):
             raise ConnectorError(f"connector_extra_config.schedule={self.schedule!r}: must be one of "
-                                 f"{list(SCHEDULES)}, and 'pingpong' needs backend gloo")
+                                 f"{list(SCHEDULES)}, and 'pingpong' needs backend gloo or tcp")
         self._pg: Any = None
         self._answer: list[int] = []  # the peers whose inputs the last recv_attn_output returned
-        self._arrivals = Arrivals(f"afd-arrivals-{config.rank}")  # pingpong: header receives in arrival order
+        self._arrivals: Arrivals | SocketArrivals = Arrivals(f"afd-arrivals-{config.rank}")  # pingpong
         self._posted: dict[int, torch.Tensor] = {}  # pingpong: peer -> buffer of its posted header receive
         self._store: Any = None  # FFN rank 0: the TCPStore that took over the handshake's listening socket
         self._pending: list[tuple[Any, torch.Tensor, int, str]] = []  # (work, tensor kept alive, peer, what)
@@ -353,6 +358,9 @@ class TorchDistConnector(Connector):
             handshake.join(self.config.host, self.config.port, self._hello(), deadline, wait_s, self._token,
                            self._cancel.is_set)
             METRICS.add("handshakes_accepted")
+        if self.backend == "tcp":
+            self._form_links(deadline, wait_s)
+            return
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         remaining = max(deadline - time.monotonic(), 1.0)
@@ -384,6 +392,44 @@ class TorchDistConnector(Connector):
             self.close()
             raise
 
+    def _form_links(self, deadline: float, wait_s: float) -> None:
+        """``backend: tcp``: one socket per peer (``afd_patches.connectors.sockets``), then the heartbeat."""
+        try:
+            store = self._group_store()
+            links = SocketLinks.form(self.role == topology.FFN, self.global_rank, list(self.peers), store,
+                                     self.config.host, self._token, deadline, self._cancel.is_set, self.timeout_s)
+        except (ConnectorError, RuntimeError, OSError) as e:
+            self._store = None
+            if isinstance(e, ConnectorError) and self._cancel.is_set():
+                raise ConnectorError(f"AFD connector init of {self._me()} was cancelled by close()") from e
+            cls = ConnectorTimeout if isinstance(e, ConnectorTimeout) else ConnectorError
+            raise cls(f"AFD connector init failed for {self._me()}: could not form the tcp group of "
+                      f"{self.world_size} ranks at {self.address} within {wait_s:g}s ({e})") from e
+        with self._cond:
+            if self._cancel.is_set():
+                links.shutdown()
+                raise ConnectorError(f"AFD connector init of {self._me()} was cancelled by close()")
+            self._pg = links
+        self._arrivals = SocketArrivals(links)
+        try:
+            self._start_heartbeat()
+        except BaseException:
+            self.close()
+            raise
+
+    def _group_store(self) -> Any:
+        """The group's ``TCPStore``: the one this rank hosts (FFN rank 0), else a client of it (cached)."""
+        if self._store is None:
+            from torch.distributed import TCPStore
+
+            try:
+                self._store = TCPStore(self.config.host, self.config.port, None, False,
+                                       timedelta(seconds=self.timeout_s), wait_for_workers=False)
+            except RuntimeError as e:
+                raise ConnectorError(f"AFD {self._me()}: cannot reach the group's store at {self.address} "
+                                     f"({e})") from e
+        return self._store
+
     def group_timeout(self, remaining_s: float) -> timedelta:
         """The timeout the group is created with: what is left of the handshake budget on gloo (every wait
         passes its own bound); on NCCL, where torch's watchdog aborts the process once any queued operation
@@ -408,19 +454,8 @@ class TorchDistConnector(Connector):
 
     def _start_heartbeat(self) -> None:
         """Beat in the group's store and watch this rank's peers (see ``afd_patches.connectors.liveness``)."""
-        if self._store is not None:
-            store = self._store
-        else:
-            from torch.distributed import TCPStore
-
-            try:
-                store = TCPStore(self.config.host, self.config.port, None, False,
-                                 timedelta(seconds=self.timeout_s), wait_for_workers=False)
-            except RuntimeError as e:
-                raise ConnectorError(f"AFD {self._me()}: cannot reach the group's store at {self.address} for "
-                                     f"the heartbeat ({e})") from e
-        beat = liveness.Heartbeat(store, self.global_rank, list(self.peers), self.timeout_s, self._on_lost,
-                                  f"{self.address} (hosted by ffn rank 0)", store_rank=0)
+        beat = liveness.Heartbeat(self._group_store(), self.global_rank, list(self.peers), self.timeout_s,
+                                  self._on_lost, f"{self.address} (hosted by ffn rank 0)", store_rank=0)
         beat.start()
         self._heartbeat = beat
 
@@ -431,7 +466,9 @@ class TorchDistConnector(Connector):
         self._lost[peer] = (cls, why)
         logger.warning("AFD %s: lost %s: %s", self._me(), self._describe(peer), why)
         pg = self._pg
-        if pg is not None and self.backend == "gloo":
+        if pg is not None and self.backend == "tcp":
+            pg.interrupt(peer)
+        elif pg is not None and self.backend == "gloo":
             _break_gloo_pair(pg, peer)
 
     def _hello(self) -> handshake.Hello:
@@ -488,9 +525,17 @@ class TorchDistConnector(Connector):
         clean = ended_cleanly and not self._lost
         interrupted = bool(self._busy)  # on NCCL an abandoned receive stays queued: abort, never shut down
         offered = False
-        if clean and (self.backend == "gloo" or not self._busy):
-            clean = offered = self._offer_close(pg)  # gloo takes this next to a blocked wait; NCCL only alone
-        if self._busy and self.backend == "gloo":
+        if clean and self.backend == "tcp" and self._heartbeat is not None:
+            # tcp delivers CLOSE at once, and a peer that hosts the store may end it right away: say "gone on
+            # purpose" in the store first, so this rank's last store request does not hit a closed store
+            self._heartbeat.stop(clean=True)
+            self._heartbeat = None
+        if clean and (self.backend in HOST_BACKENDS or not self._busy):
+            clean = offered = self._offer_close(pg)  # gloo/tcp take this next to a blocked wait; NCCL only alone
+        if self._busy and self.backend == "tcp":
+            for peer in self.peers:
+                pg.interrupt(peer)
+        elif self._busy and self.backend == "gloo":
             for peer in self.peers:
                 _break_gloo_pair(pg, peer)
         with self._cond:
@@ -515,9 +560,12 @@ class TorchDistConnector(Connector):
                 if peer in self._closed_peers:
                     continue
                 header = encode_header(KIND_CLOSE, -1, -1, None, self.device).view(torch.uint8)
+                if self.backend == "tcp":  # written before send() returns, bounded by wait_s
+                    pg.send([header], peer, TAG_HEADER, timeout_s=wait_s)
+                    continue
                 works.append((pg.send([header], peer, TAG_HEADER), header))
             for work, _ in [*((w, t) for w, t, _, _ in self._pending), *works]:
-                if self.backend == "gloo":
+                if self.backend in HOST_BACKENDS:
                     work.wait(timeout=timedelta(seconds=wait_s))
                 elif not _poll(work, time.monotonic() + wait_s, lambda: False):
                     return False
@@ -598,7 +646,18 @@ class TorchDistConnector(Connector):
             raise self._fail(e, peer, what, self.timeout_s) from e
         finally:
             self._leave()
-        self._pending.append((work, tensor, peer, what))
+        if self.backend != "tcp":  # a tcp send completed inside pg.send
+            self._pending.append((work, tensor, peer, what))
+
+    def _post_send_all(self, tensors: list[torch.Tensor], peer: int, what: str) -> None:
+        """``backend: tcp``: write ``tensors`` back to back to ``peer`` (complete on return)."""
+        pg = self._enter()
+        try:
+            pg.send(tensors, peer, TAG_HEADER)
+        except RuntimeError as e:
+            raise self._fail(e, peer, what, self.timeout_s) from e
+        finally:
+            self._leave()
 
     def _post_recv(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
         pg = self._enter()
@@ -613,7 +672,7 @@ class TorchDistConnector(Connector):
         """Wait for ``work`` at most ``timeout_s``: blocking on gloo, polling elsewhere (see "NCCL")."""
         self._enter()
         try:
-            if self.backend == "gloo":
+            if self.backend in HOST_BACKENDS:
                 work.wait(timeout=timedelta(seconds=timeout_s))
             elif not _poll(work, time.monotonic() + timeout_s,
                            lambda: self._cancel.is_set() or peer in self._lost):
@@ -640,7 +699,9 @@ class TorchDistConnector(Connector):
         nbytes = tensor.numel() * tensor.element_size()
         inline = 0 < nbytes <= self.inline_bytes
         header = encode_header(KIND_DATA, layer, step, tensor, self.device, inline).view(torch.uint8)
-        if inline:
+        if self.backend == "tcp":  # header and payload in one write on the pair's stream
+            self._post_send_all([header, tensor], peer, what)
+        elif inline:
             message = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.device)
             message[:HEADER_BYTES] = header
             message[HEADER_BYTES:] = tensor.reshape(-1).view(torch.uint8)

@@ -49,8 +49,10 @@ def free_port() -> int:
 
 
 def make_config(
-    role: str, rank: int, port: int, a: int = 1, f: int = 1, timeout_s: float = 15.0, **extra: Any
+    role: str, rank: int, port: int, a: int = 1, f: int = 1, timeout_s: float = 15.0, backend: str = "tcp",
+    **extra: Any
 ) -> AfdConfig:
+    """A 127.0.0.1 config; ``backend`` ``tcp`` (the CPU default) unless a test names gloo."""
     return AfdConfig(
         role=role,
         host="127.0.0.1",
@@ -59,7 +61,7 @@ def make_config(
         num_ffn_ranks=f,
         rank=rank,
         timeout_s=timeout_s,
-        connector_extra_config={"backend": "gloo", **extra},
+        connector_extra_config={"backend": backend, **extra},
     )
 
 
@@ -288,17 +290,19 @@ def test_model_identity_and_hello_comparison() -> None:
 
 
 # ----------------------------------------------------------------- multi-process
-def test_round_trip_1a1f_and_close() -> None:
+@pytest.mark.parametrize("backend", ["gloo", "tcp"])
+def test_round_trip_1a1f_and_close(backend: str) -> None:
     """x*2+1 exactly for every layer and step (zero-token steps included); close ends the FFN loop.
 
     The FFN starts a second after the attention rank, whose init() must wait for the store.
-    Step 3 (1100 tokens x 64 B) is over the 64 KiB inline limit: header and payload travel apart.
+    Step 3 (1100 tokens x 64 B) is over gloo's 64 KiB inline limit: header and payload travel apart
+    (on tcp: 275 KiB in one write, more than a socket buffer, so read in several pieces).
     """
     port, layers, plan = free_port(), 3, [3, 0, 5, 1100, 0]
     queue = _CTX.Queue()
     procs = [
-        start(attention_worker, make_config("attention", 0, port), plan, layers, queue),
-        start(ffn_worker, make_config("ffn", 0, port), queue, 1.0),
+        start(attention_worker, make_config("attention", 0, port, backend=backend), plan, layers, queue),
+        start(ffn_worker, make_config("ffn", 0, port, backend=backend), queue, 1.0),
     ]
     got = collect(queue, {"ffn0", "attention0"}, 45)
     _join_all(procs, 10)
@@ -320,9 +324,10 @@ def test_2a1f_batched_with_idle_rank() -> None:
     port, layers = free_port(), 2
     plans = {0: [4, 2, 0, 3], 1: [0, 0, 5, 1]}  # rank 1 idle at first, rank 0 idle at step 2
     queue = _CTX.Queue()
-    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2, inline_bytes=0), queue)]
+    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2, backend="gloo", inline_bytes=0), queue)]
     procs += [
-        start(attention_worker, make_config("attention", r, port, a=2, inline_bytes=0), plan, layers, queue)
+        start(attention_worker, make_config("attention", r, port, a=2, backend="gloo", inline_bytes=0), plan,
+              layers, queue)
         for r, plan in plans.items()
     ]
     got = collect(queue, {"ffn0", "attention0", "attention1"}, 45)
@@ -336,16 +341,17 @@ def test_2a1f_batched_with_idle_rank() -> None:
     assert [m[2][0] for m in f["metas"][::layers]] == [4, 2, 5, 4]  # batched rows per step
 
 
-def test_2a1f_pingpong_serves_each_rank_as_it_arrives() -> None:
+@pytest.mark.parametrize("backend", ["gloo", "tcp"])
+def test_2a1f_pingpong_serves_each_rank_as_it_arrives(backend: str) -> None:
     """``schedule: pingpong``: one FFN call per rank and layer-step, no lockstep (rank 1 closes after one
     step while rank 0 goes on; rank 1 runs zero-token steps only at its own pace); each rank gets its own
     rows back exactly, and the ranks' steps interleave freely (rank 0's step 3 may come before rank 1's 0)."""
     port, layers = free_port(), 2
     plans = {0: [4, 0, 2, 1100], 1: [5]}  # 1100 rows: header and payload travel apart
     queue = _CTX.Queue()
-    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2, schedule="pingpong"), queue)]
-    procs += [start(attention_worker, make_config("attention", r, port, a=2, schedule="pingpong"), plan, layers,
-                    queue) for r, plan in plans.items()]
+    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2, schedule="pingpong", backend=backend), queue)]
+    procs += [start(attention_worker, make_config("attention", r, port, a=2, schedule="pingpong", backend=backend),
+                    plan, layers, queue) for r, plan in plans.items()]
     got = collect(queue, {"ffn0", "attention0", "attention1"}, 45)
     _join_all(procs, 10)
     total = 0
@@ -404,13 +410,13 @@ def test_2a2f_block_mapping() -> None:
         assert (got[f"ffn{r}"]["error"], got[f"ffn{r}"]["calls"]) == ("ConnectorClosed", n)
 
 
-@pytest.mark.parametrize("how", ["killed", "hung"])
-def test_dead_or_hung_ffn(how: str) -> None:
+@pytest.mark.parametrize("how,backend", [("killed", "gloo"), ("hung", "gloo"), ("killed", "tcp"), ("hung", "tcp")])
+def test_dead_or_hung_ffn(how: str, backend: str) -> None:
     """FFN killed (socket closes) or frozen (only the timeout can tell): attention fails within timeout_s."""
     port, timeout_s = free_port(), 2.0
     queue = _CTX.Queue()
-    ffn_proc = start(ffn_worker, make_config("ffn", 0, port, timeout_s=timeout_s), queue)
-    attn_cfg = make_config("attention", 0, port, timeout_s=timeout_s)
+    ffn_proc = start(ffn_worker, make_config("ffn", 0, port, timeout_s=timeout_s, backend=backend), queue)
+    attn_cfg = make_config("attention", 0, port, timeout_s=timeout_s, backend=backend)
     attn_proc = start(attention_worker, attn_cfg, [2], 2, queue, True)
     try:
         collect(queue, {"attention0-progress"}, 30)
