@@ -32,10 +32,18 @@ Handshake
 
 Backend
     ``connector_extra_config["backend"]`` if given, else ``"nccl"`` when CUDA
-    is available and ``"gloo"`` otherwise. Messages travel on the backend's
-    device (``cpu`` for gloo, the current CUDA device for NCCL;
-    ``connector_extra_config["device"]`` overrides it); the attention side gets
-    its results back on the device its hidden states came from.
+    is available and ``"tcp"`` otherwise. ``tcp`` forms no torch group: after
+    the handshake each FFN/attention pair opens one plain socket
+    (``afd_patches.connectors.sockets``, found through the group's store) and
+    the thread that waits reads it itself, so a message costs one thread
+    wake-up instead of gloo's two or more, and an idle group wakes nothing (a
+    gloo group's loop thread wakes 100 times a second). On that socket a
+    message is the header followed by its payload (no inline form, no tags);
+    everything else below holds for it as for gloo, except where it says.
+    Messages travel on the backend's device (``cpu`` for gloo and tcp, the
+    current CUDA device for NCCL; ``connector_extra_config["device"]``
+    overrides it, not on tcp); the attention side gets its results back on the
+    device its hidden states came from.
 
 Wire format
     Every message starts with an ``int64`` header of ``HEADER_LEN`` words
@@ -61,7 +69,8 @@ Schedules
     layer from every open served rank (they must agree on layer and step).
     ``pingpong`` with several served ranks: it keeps one header receive posted
     per open rank and returns whichever completes first
-    (``afd_patches.connectors.arrivals``), the other slots zero-row; gloo only.
+    (``afd_patches.connectors.arrivals``; on tcp one ``select`` over the
+    ranks' sockets, ``SocketArrivals``), the other slots zero-row; gloo or tcp.
     Either way ``send_ffn_output`` answers exactly the ranks whose inputs the
     last ``recv_attn_output`` returned.
 
