@@ -9,6 +9,7 @@ Workers report through a queue: ``(name, result dict)``.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -16,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -747,3 +749,70 @@ def test_run_ffn_calls_the_ffn_once_on_the_busy_rows_only() -> None:
     out = _run_ffn(model, 1, [a, empty, b], *cpu_f32)
     assert len(model.calls) == 2 and model.calls[1][1].shape == (5, HIDDEN)
     assert torch.equal(out[0], ffn(a)) and out[1] is empty and torch.equal(out[2], ffn(b))
+
+
+# ------------------------------------------------------------- backend tcp: data connections
+class _DictStore:
+    """The three calls of torch's ``TCPStore`` that ``sockets`` uses, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+def test_tcp_links_drop_strangers_and_wrong_tokens_then_carry_bytes_both_ways() -> None:
+    """An FFN rank's data port drops a connection that sends garbage, one with a wrong token's proof and one
+    claiming a rank it does not serve, and still forms with its real attention rank; that rank refuses an
+    FFN whose answer does not prove the token. Then bytes go both ways and ``interrupt`` ends a blocked wait."""
+    from afd_patches.connectors import auth, sockets
+
+    store, token, deadline = _DictStore(), b"k" * 32, time.monotonic() + 20
+    formed: dict[str, Any] = {}
+
+    def ffn() -> None:
+        formed["ffn"] = sockets.SocketLinks.form(True, 0, [1], store, "127.0.0.1", token, deadline, lambda: False,
+                                                 5.0)
+
+    thread = threading.Thread(target=ffn, daemon=True)
+    thread.start()
+    while not store.check([sockets.key(0)]):
+        time.sleep(0.01)
+    info = json.loads(store.get(sockets.key(0)))
+    address, cookie = (info["host"], info["port"]), bytes.fromhex(info["cookie"])
+    for hello in ((b"GET / HTTP/1.0\r\n\r\n" * 4)[:sockets.HELLO.size],
+                  sockets.HELLO.pack(1, b"n" * 16, auth.proof(b"wrong", sockets.LABEL_JOIN, b"n" * 16, cookie)),
+                  sockets.HELLO.pack(7, b"n" * 16, auth.proof(token, sockets.LABEL_JOIN, b"n" * 16, cookie))):
+        with socket.create_connection(address, timeout=5) as s:
+            s.sendall(hello)
+            assert s.recv(64) == b""  # dropped
+    attention = sockets.SocketLinks.form(False, 1, [0], store, "127.0.0.1", token, deadline, lambda: False, 5.0)
+    thread.join(10)
+    ffn_links = formed["ffn"]
+    x = torch.arange(1000, dtype=torch.float32)
+    attention.send([x[:3], x], 0)
+    got = torch.empty(1003)
+    ffn_links.recv([got], 1).wait(timedelta(seconds=5))
+    assert torch.equal(got, torch.cat([x[:3], x]))
+    waiter = ffn_links.recv([torch.empty(4)], 1)
+    threading.Timer(0.3, ffn_links.interrupt, args=(1,)).start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="closed"):
+        waiter.wait(timedelta(seconds=30))
+    assert time.monotonic() - t0 < 5
+    ffn_links.shutdown()
+    attention.shutdown()
+    with pytest.raises(ConnectorError, match="does not prove the group's token"):
+        with socket.create_server(("127.0.0.1", 0)) as fake:
+            store.set(sockets.key(2), json.dumps({"host": "127.0.0.1", "port": fake.getsockname()[1],
+                                                  "cookie": cookie.hex()}))
+            threading.Thread(target=lambda: fake.accept()[0].sendall(b"x" * sockets.ACK_BYTES), daemon=True).start()
+            sockets.SocketLinks.form(False, 1, [2], store, "127.0.0.1", token, time.monotonic() + 5,
+                                     lambda: False, 5.0)
