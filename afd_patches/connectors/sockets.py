@@ -87,9 +87,11 @@ def _seconds(timeout: Any) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A writable/readable byte view of a contiguous host tensor (no copy)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+def _bytes_of(obj: torch.Tensor | bytes | bytearray) -> memoryview:
+    """A byte view (writable for a tensor or bytearray) of a contiguous host tensor or a bytes object, no copy."""
+    if isinstance(obj, torch.Tensor):
+        return memoryview(obj.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(obj)
 
 
 class _Done:
@@ -136,9 +138,11 @@ class SocketLinks:
         return cls(socks, send_timeout_s)
 
     # ---------------------------------------------------------- group-like API
-    def send(self, tensors: list[torch.Tensor], peer: int, tag: int = 0, timeout_s: float | None = None) -> _Done:
-        """Write every tensor's bytes to ``peer`` (bounded by ``timeout_s``, default ``send_timeout_s``)."""
-        views = [_bytes_of(t) for t in tensors if t.numel()]
+    def send(self, tensors: list[torch.Tensor | bytes], peer: int, tag: int = 0,
+             timeout_s: float | None = None) -> _Done:
+        """Write every tensor's (or bytes object's) bytes to ``peer`` (bounded by ``timeout_s``, default
+        ``send_timeout_s``)."""
+        views = [v for v in map(_bytes_of, tensors) if len(v)]
         budget = self.send_timeout_s if timeout_s is None else timeout_s
         lock = self._locks[peer]
         if not lock.acquire(timeout=budget):
@@ -161,8 +165,8 @@ class SocketLinks:
             lock.release()
         return _Done()
 
-    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> _Recv:
-        return _Recv(self, peer, [_bytes_of(t) for t in tensors if t.numel()])
+    def recv(self, tensors: list[torch.Tensor | bytearray], peer: int, tag: int = 0) -> _Recv:
+        return _Recv(self, peer, [v for v in map(_bytes_of, tensors) if len(v)])
 
     def read_into(self, peer: int, view: memoryview, deadline: float) -> None:
         """Fill ``view`` from ``peer``'s socket by ``deadline``, in this thread."""

@@ -140,6 +140,7 @@ from __future__ import annotations
 import inspect
 import logging
 import socket
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -166,6 +167,7 @@ MAGIC = 0xAFD0_0001
 MAX_NDIM = 8
 HEADER_LEN = 7 + MAX_NDIM  # magic, kind, layer, step, dtype code, ndim, inline flag, shape[MAX_NDIM]
 HEADER_BYTES = HEADER_LEN * 8
+HEADER_STRUCT = struct.Struct(f"={HEADER_LEN}q")  # the same bytes as the int64 tensor form, without torch (tcp)
 DEFAULT_INLINE_BYTES = 64 * 1024
 KIND_DATA = 1
 KIND_CLOSE = 2
@@ -227,15 +229,8 @@ class Header(NamedTuple):
     inline: bool
 
 
-def encode_header(
-    kind: int,
-    layer: int,
-    step: int,
-    tensor: torch.Tensor | None,
-    device: torch.device,
-    inline: bool = False,
-) -> torch.Tensor:
-    """The ``int64`` header describing ``tensor`` (or a bare header for ``CLOSE``)."""
+def header_words(kind: int, layer: int, step: int, tensor: torch.Tensor | None, inline: bool = False) -> list[int]:
+    """The ``HEADER_LEN`` words of the header describing ``tensor`` (or a bare header for ``CLOSE``)."""
     words = [MAGIC, kind, layer, step, 0, 0, int(inline)] + [0] * MAX_NDIM
     if tensor is not None:
         name = dtype_name(tensor.dtype)
@@ -246,14 +241,30 @@ def encode_header(
         words[4] = DTYPE_CODES[name]
         words[5] = tensor.dim()
         words[7 : 7 + tensor.dim()] = list(tensor.shape)
-    return torch.tensor(words, dtype=torch.int64, device=device)
+    return words
 
 
-def decode_header(message: torch.Tensor) -> Header:
-    """Parse an ``int64`` header, or the header at the start of a ``uint8`` message; ``ConnectorError`` on garbage."""
-    if message.dtype == torch.uint8:
-        message = message[:HEADER_BYTES].view(torch.int64)
-    words = message.tolist()
+def encode_header(
+    kind: int,
+    layer: int,
+    step: int,
+    tensor: torch.Tensor | None,
+    device: torch.device,
+    inline: bool = False,
+) -> torch.Tensor:
+    """The ``int64`` header describing ``tensor`` (or a bare header for ``CLOSE``), on ``device``."""
+    return torch.tensor(header_words(kind, layer, step, tensor, inline), dtype=torch.int64, device=device)
+
+
+def decode_header(message: torch.Tensor | bytearray) -> Header:
+    """Parse an ``int64`` header, or the header at the start of a ``uint8`` message or a ``bytearray`` (tcp,
+    native byte order like the tensor form); ``ConnectorError`` on garbage."""
+    if isinstance(message, bytearray):
+        words = list(HEADER_STRUCT.unpack_from(message))
+    else:
+        if message.dtype == torch.uint8:
+            message = message[:HEADER_BYTES].view(torch.int64)
+        words = message.tolist()
     if len(words) != HEADER_LEN or words[0] != MAGIC or words[1] not in (KIND_DATA, KIND_CLOSE):
         raise ConnectorError(f"malformed AFD header {words[:7]}… (peer speaks another protocol or version?)")
     kind, layer, step, code, ndim, inline = words[1:7]
@@ -315,7 +326,7 @@ class TorchDistConnector(Connector):
         self._pg: Any = None
         self._answer: list[int] = []  # the peers whose inputs the last recv_attn_output returned
         self._arrivals: Arrivals | SocketArrivals = Arrivals(f"afd-arrivals-{config.rank}")  # pingpong
-        self._posted: dict[int, torch.Tensor] = {}  # pingpong: peer -> buffer of its posted header receive
+        self._posted: dict[int, torch.Tensor | bytearray] = {}  # pingpong: peer -> buffer of its posted header receive
         self._store: Any = None  # FFN rank 0: the TCPStore that took over the handshake's listening socket
         self._pending: list[tuple[Any, torch.Tensor, int, str]] = []  # (work, tensor kept alive, peer, what)
         self._closed_peers: set[int] = set()
@@ -658,7 +669,7 @@ class TorchDistConnector(Connector):
         if self.backend != "tcp":  # a tcp send completed inside pg.send
             self._pending.append((work, tensor, peer, what))
 
-    def _post_send_all(self, tensors: list[torch.Tensor], peer: int, what: str) -> None:
+    def _post_send_all(self, tensors: list[torch.Tensor | bytes], peer: int, what: str) -> None:
         """``backend: tcp``: write ``tensors`` back to back to ``peer`` (complete on return)."""
         pg = self._enter()
         try:
@@ -668,7 +679,7 @@ class TorchDistConnector(Connector):
         finally:
             self._leave()
 
-    def _post_recv(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+    def _post_recv(self, tensor: torch.Tensor | bytearray, peer: int, tag: int, what: str) -> Any:
         pg = self._enter()
         try:
             return pg.recv([tensor], peer, tag)
@@ -707,10 +718,13 @@ class TorchDistConnector(Connector):
         what = f"layer {layer} step {step}"
         nbytes = tensor.numel() * tensor.element_size()
         inline = 0 < nbytes <= self.inline_bytes
-        header = encode_header(KIND_DATA, layer, step, tensor, self.device, inline).view(torch.uint8)
         if self.backend == "tcp":  # header and payload in one write on the pair's stream
-            self._post_send_all([header, tensor], peer, what)
-        elif inline:
+            self._post_send_all([HEADER_STRUCT.pack(*header_words(KIND_DATA, layer, step, tensor)), tensor], peer,
+                                what)
+            self._count_sent(layer, nbytes)
+            return
+        header = encode_header(KIND_DATA, layer, step, tensor, self.device, inline).view(torch.uint8)
+        if inline:
             message = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.device)
             message[:HEADER_BYTES] = header
             message[HEADER_BYTES:] = tensor.reshape(-1).view(torch.uint8)
@@ -719,6 +733,9 @@ class TorchDistConnector(Connector):
             self._post_send(header, peer, TAG_HEADER, f"header of {what}")
             if nbytes:
                 self._post_send(tensor, peer, TAG_PAYLOAD, f"payload of {what}")
+        self._count_sent(layer, nbytes)
+
+    def _count_sent(self, layer: int, nbytes: int) -> None:
         self.messages_sent += 1
         METRICS.add("bytes_sent", nbytes)
         if layer == 0 and nbytes == 0:
@@ -727,7 +744,10 @@ class TorchDistConnector(Connector):
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to(self.device).contiguous()
 
-    def _post_header_recv(self, peer: int, what: str) -> tuple[torch.Tensor, Any]:
+    def _post_header_recv(self, peer: int, what: str) -> tuple[torch.Tensor | bytearray, Any]:
+        if self.backend == "tcp":  # no torch op per header on tcp: a bytearray and struct
+            message: torch.Tensor | bytearray = bytearray(HEADER_BYTES)
+            return message, self._post_recv(message, peer, TAG_HEADER, what)
         message = torch.empty(HEADER_BYTES + self.inline_bytes, dtype=torch.uint8, device=self.device)
         return message, self._post_recv(message, peer, TAG_HEADER, what)
 
@@ -780,11 +800,12 @@ class TorchDistConnector(Connector):
             return shape
         return None
 
-    def _recv_payload(self, message: torch.Tensor, header: Header, peer: int, what: str) -> tuple[torch.Tensor, Any]:
+    def _recv_payload(self, message: torch.Tensor | bytearray, header: Header, peer: int,
+                      what: str) -> tuple[torch.Tensor, Any]:
         """The payload described by ``header``: a view into ``message`` when inline, else a posted receive."""
         nbytes = self._check_header(header, peer, what)
         dtype = getattr(torch, header.dtype)
-        if header.inline:
+        if header.inline and isinstance(message, torch.Tensor):  # (tcp has no inline form)
             return message[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype).view(header.shape), None
         out = torch.empty(header.shape, dtype=dtype, device=self.device)
         work = self._post_recv(out, peer, TAG_PAYLOAD, f"payload of {what}") if out.numel() else None
