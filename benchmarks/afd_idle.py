@@ -15,6 +15,7 @@ the worker threads are named by their Python thread (``py-spy dump``), since
 Python 3.11 does not give its threads OS names.
 
     python benchmarks/afd_idle.py [--schedules batched,pingpong] [--idle-s 30] [--rounds 2] [--py-spy PATH]
+        [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--py-spy", default=None, help="path of a py-spy binary, to name threads")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout of another afd-plugin version: one more 1A1F pair (first schedule) runs it")
     args = parser.parse_args()
     env = vllm_env(PYTHONUNBUFFERED="1")
     ns = argparse.Namespace(ffn_bind=None, pin=False)
@@ -110,7 +113,12 @@ def main() -> None:
         try:
             plains = [Server(f"plain{i}", model, work, [], env, None) for i in range(args.plain)]
             servers += plains
-            deps = [Deployment(s, s, 1, model, work, env, ns) for s in args.schedules.split(",")]
+            schedules = args.schedules.split(",")
+            deps = [Deployment(s, s, 1, model, work, env, ns) for s in schedules]
+            if args.baseline:
+                base_env = {**env, "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(args.baseline.resolve()), env.get("PYTHONPATH", "")) if p)}
+                deps.append(Deployment(f"base-{schedules[0]}", schedules[0], 1, model, work, base_env, ns))
             servers += [d.ffn for d in deps]
             for s in servers:
                 s.wait_healthy()
