@@ -37,9 +37,6 @@ a wait past its timeout says "timed out"; a peer that closed or died says
 "connection closed"; ``interrupt(peer)`` (a lost peer, ``close()`` from
 another thread) shuts the socket down, so a wait blocked on it returns at once.
 
-``spin_s`` (the connector's ``spin_us``): each read first polls without blocking
-for that long, calling ``sched_yield`` between tries, then blocks as usual.
-
 Limits: host memory only (a CUDA tensor is moved by the connector first).
 Sends are synchronous and bounded by ``send_timeout_s`` (a peer that stops
 reading fails them). The store is unauthenticated (as torch's): without a

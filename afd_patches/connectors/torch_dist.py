@@ -40,9 +40,6 @@ Backend
     gloo group's loop thread wakes 100 times a second). On that socket a
     message is the header followed by its payload (no inline form, no tags);
     everything else below holds for it as for gloo, except where it says.
-    ``connector_extra_config["spin_us"]`` (tcp only, default 0) makes each
-    receive poll its socket without blocking for that long first (yielding the
-    core between tries), trading CPU for the wake-up of a blocked thread.
     Messages travel on the backend's device (``cpu`` for gloo and tcp, the
     current CUDA device for NCCL; ``connector_extra_config["device"]``
     overrides it, not on tcp); the attention side gets its results back on the

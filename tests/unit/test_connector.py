@@ -374,8 +374,6 @@ def test_schedule_must_be_known_and_pingpong_needs_gloo() -> None:
     with pytest.raises(ConnectorError, match="'pingpong' needs backend gloo"):
         TorchDistConnector(make_config("ffn", 0, 1, schedule="pingpong", backend="nccl", inline_bytes=0,
                                        device="cpu"))
-    with pytest.raises(ConnectorError, match="spin_us=5: must be >= 0, and 0 unless backend is tcp"):
-        TorchDistConnector(make_config("ffn", 0, 1, backend="gloo", spin_us=5))
     conn = TorchDistConnector(make_config("attention", 0, 1, schedule="pingpong"))
     assert conn.schedule == "pingpong" and conn._hello().fields["schedule"] == "pingpong"
 
@@ -795,8 +793,7 @@ def test_tcp_links_drop_strangers_and_wrong_tokens_then_carry_bytes_both_ways() 
         with socket.create_connection(address, timeout=5) as s:
             s.sendall(hello)
             assert s.recv(64) == b""  # dropped
-    attention = sockets.SocketLinks.form(False, 1, [0], store, "127.0.0.1", token, deadline, lambda: False, 5.0,
-                                         spin_s=0.002)  # its receives spin 2 ms before they block
+    attention = sockets.SocketLinks.form(False, 1, [0], store, "127.0.0.1", token, deadline, lambda: False, 5.0)
     thread.join(10)
     ffn_links = formed["ffn"]
     x = torch.arange(1000, dtype=torch.float32)
@@ -804,10 +801,6 @@ def test_tcp_links_drop_strangers_and_wrong_tokens_then_carry_bytes_both_ways() 
     got = torch.empty(1003)
     ffn_links.recv([got], 1).wait(timedelta(seconds=5))
     assert torch.equal(got, torch.cat([x[:3], x]))
-    threading.Timer(0.05, ffn_links.send, args=([got], 1)).start()  # arrives after the spin: blocks, then reads
-    back = torch.empty(1003)
-    attention.recv([back], 0).wait(timedelta(seconds=5))
-    assert torch.equal(back, got)
     waiter = ffn_links.recv([torch.empty(4)], 1)
     threading.Timer(0.3, ffn_links.interrupt, args=(1,)).start()
     t0 = time.monotonic()
