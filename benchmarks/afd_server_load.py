@@ -183,11 +183,10 @@ class Deployment:
     """One AFD deployment: an FFN server, then its attention servers (started by ``start_attention``)."""
 
     def __init__(self, label: str, schedule: str, ranks: int, model: Path, work: Path, env: dict[str, str],
-                 args: argparse.Namespace, spin_us: int = 0) -> None:
+                 args: argparse.Namespace) -> None:
         self.label, self.model, self.work, self.env, self.args = label, model, work, env, args
-        extra: dict[str, Any] = {"schedule": schedule, **({"spin_us": spin_us} if spin_us else {})}
         self.afd = {"port": free_port(), "host": HOST, "num_attention_ranks": ranks, "timeout_s": 300,
-                    "connector_extra_config": extra}
+                    "connector_extra_config": {"schedule": schedule}}
         ffn_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": args.ffn_bind} if args.ffn_bind else env
         self.ffn = Server(f"{label}-ffn", model, work, [*ARCH, "--afd-role", "ffn", "--additional-config",
                                                         json.dumps({"afd": self.afd})],
@@ -223,8 +222,6 @@ def main() -> None:
     parser.add_argument("--ffn-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for the FFN servers only")
     parser.add_argument("--pin", action="store_true", help="plain+attention on core 0, FFN on core 1")
     parser.add_argument("--timings", action="store_true", help="per-call timing counters (timing_hook/)")
-    parser.add_argument("--spin-us", type=int, default=0,
-                        help="one more deployment (first schedule) whose tcp receives spin this long before blocking")
     args = parser.parse_args()
     env = vllm_env(PYTHONUNBUFFERED="1")
     if args.bind:
@@ -239,13 +236,11 @@ def main() -> None:
         try:
             plain = Server("plain", model, work, [], env, "0" if args.pin else None)
             servers.append(plain)
-            variants: list[tuple[str, Path | None, int]] = [(s, None, 0) for s in schedules]
-            if args.spin_us:
-                variants.append((schedules[0], None, args.spin_us))
+            variants: list[tuple[str, Path | None]] = [(s, None) for s in schedules]
             if args.baseline:
-                variants.append((schedules[0], args.baseline.resolve(), 0))
-            for schedule, tree, spin in variants:
-                label = f"{'base-' if tree else ''}{schedule}{f'-spin{spin}' if spin else ''}"
+                variants.append((schedules[0], args.baseline.resolve()))
+            for schedule, tree in variants:
+                label = f"{'base-' if tree else ''}{schedule}"
                 timings = work / f"timings-{label}"
                 extra: dict[str, str] = {}
                 if args.timings:
@@ -253,7 +248,7 @@ def main() -> None:
                     extra["AFD_TIMINGS_DIR"] = str(timings)
                 path = [*hook, *([str(tree)] if tree else []), env.get("PYTHONPATH", "")]
                 dep = Deployment(label, schedule, args.attention_ranks, model, work,
-                                 {**env, **extra, "PYTHONPATH": os.pathsep.join(p for p in path if p)}, args, spin)
+                                 {**env, **extra, "PYTHONPATH": os.pathsep.join(p for p in path if p)}, args)
                 deployments.append(dep)
                 servers.append(dep.ffn)
             for s in list(servers):

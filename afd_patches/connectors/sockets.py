@@ -120,9 +120,8 @@ class _Recv:
 class SocketLinks:
     """One connected socket per peer; see the module docstring."""
 
-    def __init__(self, socks: dict[int, socket.socket], send_timeout_s: float, spin_s: float = 0.0) -> None:
+    def __init__(self, socks: dict[int, socket.socket], send_timeout_s: float) -> None:
         self.send_timeout_s = send_timeout_s
-        self.spin_s = spin_s
         self._rx = socks
         self._tx = {peer: s.dup() for peer, s in socks.items()}  # own timeout for sends (close() sends too)
         self._locks = {peer: threading.Lock() for peer in socks}
@@ -133,11 +132,10 @@ class SocketLinks:
     # ------------------------------------------------------------ formation
     @classmethod
     def form(cls, role_is_ffn: bool, me: int, peers: list[int], store: Any, host: str, token: bytes | None,
-             deadline: float, cancelled: Callable[[], bool], send_timeout_s: float,
-             spin_s: float = 0.0) -> SocketLinks:
+             deadline: float, cancelled: Callable[[], bool], send_timeout_s: float) -> SocketLinks:
         """Connect this rank to each of ``peers`` (see "Group"); ``ConnectorTimeout`` at ``deadline``."""
         socks = (_accept_peers if role_is_ffn else _join_ffn)(me, peers, store, host, token, deadline, cancelled)
-        return cls(socks, send_timeout_s, spin_s)
+        return cls(socks, send_timeout_s)
 
     # ---------------------------------------------------------- group-like API
     def send(self, tensors: list[torch.Tensor | bytes], peer: int, tag: int = 0,
@@ -173,8 +171,6 @@ class SocketLinks:
     def read_into(self, peer: int, view: memoryview, deadline: float) -> None:
         """Fill ``view`` from ``peer``'s socket by ``deadline``, in this thread."""
         sock, got = self._rx[peer], 0
-        if self.spin_s:
-            got = self._spin_read(sock, peer, view, min(time.monotonic() + self.spin_s, deadline))
         try:
             while got < len(view):
                 sock.settimeout(max(deadline - time.monotonic(), 1e-3))
@@ -186,24 +182,6 @@ class SocketLinks:
             raise RuntimeError(f"receive from global rank {peer} timed out") from None
         except OSError as e:
             raise RuntimeError(f"connection to global rank {peer} closed ({e})") from None
-
-    def _spin_read(self, sock: socket.socket, peer: int, view: memoryview, until: float) -> int:
-        """Read what arrives by ``until`` without blocking (yielding the core between tries); bytes read."""
-        got = 0
-        sock.settimeout(0.0)
-        try:
-            while got < len(view) and time.monotonic() < until:
-                try:
-                    n = sock.recv_into(view[got:])
-                except BlockingIOError:
-                    os.sched_yield()
-                    continue
-                if not n:
-                    raise RuntimeError(f"connection to global rank {peer} closed")
-                got += n
-        except OSError as e:
-            raise RuntimeError(f"connection to global rank {peer} closed ({e})") from None
-        return got
 
     def wait_any(self, peers: list[int], timeout_s: float) -> int | None:
         """The first of ``peers`` whose socket has data (or was closed/interrupted); None after ``timeout_s``."""

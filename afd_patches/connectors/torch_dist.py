@@ -180,7 +180,7 @@ CLOSE_WAIT_S = 2.0  # how long close() waits for each peer to take its CLOSE hea
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # see "Timeouts and failures": idle is not a failure
 MAX_MESSAGE_BYTES = 1 << 30  # bound on one received tensor when the model's identity gives no tighter one
 HOST_BACKENDS = ("gloo", "tcp")  # backends whose messages live in host memory (and that can serve pingpong)
-EXTRA_KEYS = ("backend", "device", "idle_timeout_s", "inline_bytes", "schedule", "spin_us")
+EXTRA_KEYS = ("backend", "device", "idle_timeout_s", "inline_bytes", "schedule")
 
 # Stable wire codes; a dtype missing from this torch build is simply not offered.
 DTYPE_CODES: dict[str, int] = {
@@ -308,10 +308,6 @@ class TorchDistConnector(Connector):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = float(config.timeout_s)
         self.idle_timeout_s = float(extra.get("idle_timeout_s", IDLE_TIMEOUT_S))
-        self.spin_s = float(extra.get("spin_us", 0)) / 1e6
-        if self.spin_s < 0 or (self.spin_s and self.backend != "tcp"):
-            raise ConnectorError(f"connector_extra_config.spin_us={extra['spin_us']}: must be >= 0, and 0 unless "
-                                 "backend is tcp")
         if self.timeout_s <= 0 or self.idle_timeout_s <= 0:
             raise ConnectorError("timeout_s and idle_timeout_s must be > 0")
         default_inline = DEFAULT_INLINE_BYTES if self.backend == "gloo" else 0
@@ -421,8 +417,7 @@ class TorchDistConnector(Connector):
         try:
             store = self._group_store()
             links = SocketLinks.form(self.role == topology.FFN, self.global_rank, list(self.peers), store,
-                                     self.config.host, self._token, deadline, self._cancel.is_set, self.timeout_s,
-                                     self.spin_s)
+                                     self.config.host, self._token, deadline, self._cancel.is_set, self.timeout_s)
         except (ConnectorError, RuntimeError, OSError) as e:
             self._store = None
             if isinstance(e, ConnectorError) and self._cancel.is_set():
