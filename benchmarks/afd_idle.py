@@ -32,7 +32,7 @@ import psutil
 from afd_server_load import Deployment, Server, load
 from tiny_model import build
 from tiny_tokenizer import build_tokenizer
-from vllm_run import vllm_env
+from vllm_run import REPO, vllm_env
 
 Sample = dict[tuple[int, int], tuple[str, int, int]]  # (pid, tid) -> (comm, cpu ns, voluntary switches)
 
@@ -105,6 +105,7 @@ def main() -> None:
                         help="a checkout of another afd-plugin version: one more 1A1F pair (first schedule) runs it")
     args = parser.parse_args()
     env = vllm_env(PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)  # this checkout
     ns = argparse.Namespace(ffn_bind=None, pin=False)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -71,7 +71,9 @@ class Server:
             args = ["taskset", "-c", cpus, *args]
         self.log = log_dir / f"{name}.log"
         with self.log.open("wb") as fh:
-            self.proc = subprocess.Popen(args, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
+            # cwd outside any checkout: ``python -m`` puts the cwd first on sys.path, ahead of PYTHONPATH, so a
+            # cwd of REPO made a --baseline server import this checkout's afd_patches instead of the baseline's
+            self.proc = subprocess.Popen(args, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=log_dir,
                                          start_new_session=True)
 
     def wait_healthy(self) -> None:
@@ -224,6 +226,7 @@ def main() -> None:
     parser.add_argument("--timings", action="store_true", help="per-call timing counters (timing_hook/)")
     args = parser.parse_args()
     env = vllm_env(PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)  # this checkout
     if args.bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
     schedules = args.schedules.split(",")
