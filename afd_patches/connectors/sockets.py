@@ -21,7 +21,9 @@ Group
     FFN rank answers with its own proof once every attention rank it serves is
     in, which is also the "group formed" signal (the warm-up of gloo/NCCL).
     Connections that fail the proof or claim a rank that is not served or
-    already connected are dropped; the others' formation goes on.
+    already connected are dropped; the others' formation goes on. Then every
+    rank waits for all (``barrier``, a counter in the store), so no pair starts,
+    finishes and takes FFN rank 0's store down while another is connecting.
 
 ``SocketLinks`` imitates the part of a torch process group the connector uses:
 ``send(tensors, peer, tag)`` writes every tensor's bytes, in order, before it
@@ -68,6 +70,7 @@ HELLO = struct.Struct("<q16s32s")  # global rank, nonce, proof
 ACK_BYTES = 32
 HELLO_READ_S = 5.0  # how long an accepted connection has to prove itself
 POLL_S = 0.1  # how often formation loops look at their deadline and cancel flag
+BARRIER_POLL_S = 0.01  # how often the formation barrier reads its counter (only during init)
 
 
 def key(global_rank: int) -> str:
@@ -136,6 +139,19 @@ class SocketLinks:
         """Connect this rank to each of ``peers`` (see "Group"); ``ConnectorTimeout`` at ``deadline``."""
         socks = (_accept_peers if role_is_ffn else _join_ffn)(me, peers, store, host, token, deadline, cancelled)
         return cls(socks, send_timeout_s)
+
+    @classmethod
+    def form_group(cls, role_is_ffn: bool, me: int, peers: list[int], store: Any, host: str, token: bytes | None,
+                   deadline: float, cancelled: Callable[[], bool], send_timeout_s: float,
+                   world_size: int) -> SocketLinks:
+        """``form``, then ``barrier`` over the ``world_size`` ranks (closing the sockets if that fails)."""
+        links = cls.form(role_is_ffn, me, peers, store, host, token, deadline, cancelled, send_timeout_s)
+        try:
+            barrier(store, world_size, deadline, cancelled)
+        except BaseException:
+            links.shutdown()
+            raise
+        return links
 
     # ---------------------------------------------------------- group-like API
     def send(self, tensors: list[torch.Tensor | bytes], peer: int, tag: int = 0,
@@ -237,6 +253,19 @@ class SocketArrivals:
 
 
 # ---------------------------------------------------------------- formation
+def barrier(store: Any, world_size: int, deadline: float, cancelled: Callable[[], bool]) -> None:
+    """Return once every rank of the group called this (a counter in the store), like a torch group's
+    formation: FFN rank 0, which hosts the store, cannot finish and take it down while another pair of
+    the group is still connecting. ``ConnectorTimeout`` at ``deadline``."""
+    store.add("afd/data/formed", 1)
+    while store.add("afd/data/formed", 0) < world_size:
+        if cancelled():
+            raise ConnectorError("cancelled by close()")
+        if time.monotonic() >= deadline:
+            raise ConnectorTimeout("not every rank of the group formed its data connections")
+        time.sleep(BARRIER_POLL_S)
+
+
 def _accept_peers(me: int, peers: list[int], store: Any, host: str, token: bytes | None, deadline: float,
                   cancelled: Callable[[], bool]) -> dict[int, socket.socket]:
     family, ip = local_address(host)

@@ -416,8 +416,9 @@ class TorchDistConnector(Connector):
         """``backend: tcp``: one socket per peer (``afd_patches.connectors.sockets``), then the heartbeat."""
         try:
             store = self._group_store()
-            links = SocketLinks.form(self.role == topology.FFN, self.global_rank, list(self.peers), store,
-                                     self.config.host, self._token, deadline, self._cancel.is_set, self.timeout_s)
+            links = SocketLinks.form_group(self.role == topology.FFN, self.global_rank, list(self.peers), store,
+                                           self.config.host, self._token, deadline, self._cancel.is_set,
+                                           self.timeout_s, self.world_size)
         except (ConnectorError, RuntimeError, OSError) as e:
             self._store = None
             if isinstance(e, ConnectorError) and self._cancel.is_set():
