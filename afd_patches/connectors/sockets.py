@@ -147,7 +147,7 @@ class SocketLinks:
         """``form``, then ``barrier`` over the ``world_size`` ranks (closing the sockets if that fails)."""
         links = cls.form(role_is_ffn, me, peers, store, host, token, deadline, cancelled, send_timeout_s)
         try:
-            barrier(store, world_size, deadline, cancelled)
+            barrier(store, world_size, deadline, cancelled, hosts_store=me == 0)
         except BaseException:
             links.shutdown()
             raise
@@ -253,12 +253,21 @@ class SocketArrivals:
 
 
 # ---------------------------------------------------------------- formation
-def barrier(store: Any, world_size: int, deadline: float, cancelled: Callable[[], bool]) -> None:
+def barrier(store: Any, world_size: int, deadline: float, cancelled: Callable[[], bool], hosts_store: bool) -> None:
     """Return once every rank of the group called this (a counter in the store), like a torch group's
     formation: FFN rank 0, which hosts the store, cannot finish and take it down while another pair of
-    the group is still connecting. ``ConnectorTimeout`` at ``deadline``."""
+    the group is still connecting. The rank that ``hosts_store`` also waits until every rank has made
+    its last read of that counter (a second counter), so none of them finds the store gone.
+    ``ConnectorTimeout`` at ``deadline``."""
     store.add("afd/data/formed", 1)
-    while store.add("afd/data/formed", 0) < world_size:
+    _wait_count(store, "afd/data/formed", world_size, deadline, cancelled)
+    store.add("afd/data/left", 1)
+    if hosts_store:
+        _wait_count(store, "afd/data/left", world_size, deadline, cancelled)
+
+
+def _wait_count(store: Any, counter: str, target: int, deadline: float, cancelled: Callable[[], bool]) -> None:
+    while store.add(counter, 0) < target:
         if cancelled():
             raise ConnectorError("cancelled by close()")
         if time.monotonic() >= deadline:
