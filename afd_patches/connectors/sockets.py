@@ -8,17 +8,20 @@ Why
     Here the thread that waits reads the socket itself: one wake-up per message
     on the receiving side, none on the sending side, and nothing at all while
     idle. Measured on the shared 2-core machine (16x64 float32 echo, load
-    average 3-6): a bare socket round trip 20-30 us against 3.2 ms through the
-    gloo connector (``docs/benchmarks.md``).
+    average about 3): a bare socket round trip 20-30 us; through the connector,
+    tcp 0.52-0.66 ms against gloo 0.76-3.8 ms, most of it scheduling of the two
+    processes (``docs/benchmarks.md``).
 
 Group
     ``SocketLinks.form`` runs after the rendezvous (``handshake``), using the
     group's ``TCPStore`` only to find each other: every FFN rank listens on an
     ephemeral port of the local address that routes to the group's ``host``
-    and publishes ``{host, port, cookie}`` under ``afd/data/<global rank>``;
+    (for a ``host`` of ``0.0.0.0``/``::``: on every interface, published as the
+    address the machine's host name resolves to, as gloo does) and publishes
+    ``{host, port, cookie}`` under ``afd/data/<global rank>``;
     each attention rank connects to its FFN rank and proves itself with
-    ``auth.proof(token, "afd-data", nonce, cookie)`` plus its global rank; the
-    FFN rank answers with its own proof once every attention rank it serves is
+    ``auth.proof(token, "afd-data-join", nonce, cookie)`` plus its global rank;
+    the FFN rank answers with its own proof (``afd-data-ack``) once every attention rank it serves is
     in, which is also the "group formed" signal (the warm-up of gloo/NCCL).
     Connections that fail the proof or claim a rank that is not served or
     already connected are dropped; the others' formation goes on. Then every
@@ -70,6 +73,7 @@ HELLO = struct.Struct("<q16s32s")  # global rank, nonce, proof
 ACK_BYTES = 32
 HELLO_READ_S = 5.0  # how long an accepted connection has to prove itself
 POLL_S = 0.1  # how often formation loops look at their deadline and cancel flag
+WILDCARDS = ("0.0.0.0", "::")
 BARRIER_POLL_S = 0.01  # how often the formation barrier reads its counter (only during init)
 
 
@@ -278,7 +282,10 @@ def _wait_count(store: Any, counter: str, target: int, deadline: float, cancelle
 def _accept_peers(me: int, peers: list[int], store: Any, host: str, token: bytes | None, deadline: float,
                   cancelled: Callable[[], bool]) -> dict[int, socket.socket]:
     family, ip = local_address(host)
-    listener = socket.create_server((ip, 0), family=family, backlog=max(len(peers), 16))
+    bind = ip
+    if host in WILDCARDS:  # the group listens on every interface: so does this port, named as gloo names its own
+        bind, ip = host, socket.gethostbyname(socket.gethostname())
+    listener = socket.create_server((bind, 0), family=family, backlog=max(len(peers), 16))
     cookie = secrets.token_bytes(16)
     socks: dict[int, socket.socket] = {}
     nonces: dict[int, bytes] = {}
