@@ -8,8 +8,8 @@ Why
     Here the thread that waits reads the socket itself: one wake-up per message
     on the receiving side, none on the sending side, and nothing at all while
     idle. Measured on the shared 2-core machine (16x64 float32 echo, load
-    average about 3): a bare socket round trip 20-30 us; through the connector,
-    tcp 0.52-0.66 ms against gloo 0.76-3.8 ms, most of it scheduling of the two
+    average 2-3): a bare socket round trip 20-30 us; through the connector,
+    tcp 0.35-0.66 ms against gloo 0.76-4.0 ms, most of it scheduling of the two
     processes (``docs/benchmarks.md``).
 
 Group
