@@ -25,7 +25,7 @@ float32 Llama with a tiny tokenizer, all on 127.0.0.1. Then:
 servers on core 0 and the FFN server on core 1 (taskset), else nothing is pinned.
 Prints one table; nothing is written.
 
-    python benchmarks/afd_server_load.py [--attention-ranks 1] [--schedules batched,pingpong] [--rounds 3]
+    python -m benchmarks.afd_server_load [--attention-ranks 1] [--schedules batched,pingpong] [--rounds 3]
         [--timings] [--baseline DIR] [--bind MASK] [--ffn-bind MASK] [--pin]
 """
 
@@ -46,12 +46,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from afd_engine import free_port
-from tiny_model import build
-from tiny_tokenizer import build_tokenizer
-from vllm_run import REPO, vllm_env
+from tests.support.env import REPO, free_port, vllm_env
+from tests.support.tiny_model import build
+from tests.support.tiny_tokenizer import build_tokenizer
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 400.0
@@ -71,7 +68,9 @@ class Server:
             args = ["taskset", "-c", cpus, *args]
         self.log = log_dir / f"{name}.log"
         with self.log.open("wb") as fh:
-            self.proc = subprocess.Popen(args, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
+            # cwd outside any checkout: ``python -m`` puts the cwd first on sys.path, ahead of PYTHONPATH, so a
+            # cwd of REPO made a --baseline server import this checkout's afd_patches instead of the baseline's
+            self.proc = subprocess.Popen(args, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=log_dir,
                                          start_new_session=True)
 
     def wait_healthy(self) -> None:
@@ -224,6 +223,7 @@ def main() -> None:
     parser.add_argument("--timings", action="store_true", help="per-call timing counters (timing_hook/)")
     args = parser.parse_args()
     env = vllm_env(PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)  # this checkout
     if args.bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
     schedules = args.schedules.split(",")

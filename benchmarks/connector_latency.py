@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -35,9 +36,10 @@ def _use(src: str | None) -> None:
 
 
 def _config(role: str, port: int, inline_bytes: int) -> Any:
+    """``inline_bytes < 0`` selects ``backend: tcp`` (which has no inline payloads), else gloo."""
     from afd_patches.config import AfdConfig
 
-    extra = {"backend": "gloo", "inline_bytes": inline_bytes}
+    extra = {"backend": "tcp"} if inline_bytes < 0 else {"backend": "gloo", "inline_bytes": inline_bytes}
     return AfdConfig(role=role, host="127.0.0.1", port=port, timeout_s=30.0, connector_extra_config=extra)
 
 
@@ -135,6 +137,22 @@ def bookkeeping_us(reps: int = 200_000) -> float:
     return min(timeit.repeat(one, number=reps, repeat=3)) / reps * 1e6
 
 
+def compare_backends(args: argparse.Namespace) -> None:
+    """``--rounds`` rounds, each measuring every backend of ``--backends`` in turn (same run, same load)."""
+    names = args.backends.split(",")
+    medians: dict[str, list[float]] = {n: [] for n in names}
+    inline = args.inline_bytes
+    for r in range(args.rounds):
+        for name in names:
+            args.inline_bytes = -1 if name == "tcp" else inline
+            us, ok = measure(args, None)
+            medians[name].append(statistics.median(us))
+            print(f"round {r + 1} {name}: {_summary(us)}, echo exact: {ok}, load average {os.getloadavg()[0]:.1f}",
+                  flush=True)
+    print(f"1A1F loopback, {args.tokens}x{args.hidden} float32, {args.iters} exchanges: median of round medians "
+          + ", ".join(f"{n} {statistics.median(m):.1f} us" for n, m in medians.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=2000)
@@ -145,12 +163,17 @@ def main() -> None:
         "--inline-bytes", type=int, default=64 * 1024, help="payloads up to this size ride in the header message"
     )
     parser.add_argument("--baseline", metavar="DIR", help="a checkout whose afd_patches to compare against")
+    parser.add_argument("--backends", default=None,
+                        help="gloo,tcp: both backends of this checkout, interleaved per round (no --baseline)")
     parser.add_argument("--rounds", type=int, default=3, help="baseline/current pairs with --baseline")
     args = parser.parse_args()
     what = (f"torch_dist/gloo 1A1F loopback, {args.tokens}x{args.hidden} float32, inline_bytes={args.inline_bytes}, "
             f"{args.iters} exchanges (send_attn_output+recv_ffn_output, FFN echo)")
     print(f"bookkeeping added per exchange (header check, metrics, clock reads): {bookkeeping_us():.2f} us",
           flush=True)
+    if args.backends:
+        compare_backends(args)
+        return
     if not args.baseline:
         us, ok = measure(args, None)
         print(f"{what}: {_summary(us)}, echo exact: {ok}")

@@ -50,7 +50,9 @@ Limits
     After the handshake the host hands its listening socket to torch's
     ``TCPStore``; connections after that reach the store (unauthenticated, as
     torch's store is), not this protocol. The tensor traffic (gloo/NCCL) is not
-    authenticated or encrypted either: see SECURITY.md.
+    authenticated or encrypted either: see SECURITY.md (on ``backend: tcp`` both
+    ends of each data connection prove the token, see ``sockets``; nothing is
+    encrypted).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ Export
     ``WRITE_INTERVAL_S`` while it changes. Snapshots are data: each is opened
     without following links, must be a regular file of this user, at most
     ``MAX_SNAPSHOT_BYTES``, and only known numeric fields are read; anything
-    else is skipped.
+    else is skipped. While nothing changes the writer blocks (no periodic
+    wake-up on an idle engine).
 
 Metrics (labels ``role``, ``rank``)
     ``vllm:afd_exchanges`` (attention: layer exchanges answered; FFN: batched
@@ -71,17 +72,22 @@ class AfdMetrics:
     """The counters and the exchange latency histogram of this process."""
 
     def __init__(self) -> None:
+        self.changed = threading.Event()  # set by every update; the writer sleeps on it while nothing changes
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one is +Inf
         self.latency_sum = 0.0
 
     def add(self, name: str, n: int = 1) -> None:
         self.counts[name] += n
+        if not self.changed.is_set():
+            self.changed.set()
 
     def observe(self, seconds: float) -> None:
         """One exchange that took ``seconds``."""
         self.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self.latency_sum += seconds
+        if not self.changed.is_set():
+            self.changed.set()
 
     def snapshot(self) -> dict[str, Any]:
         return {"counts": dict(self.counts), "buckets": list(self.buckets), "latency_sum": self.latency_sum}
@@ -110,9 +116,14 @@ def start_writer(role: str, rank: int) -> bool:
 
 
 def _write_loop(path: str, role: str, rank: int) -> None:
+    """Write a snapshot at most every ``WRITE_INTERVAL_S`` while the counters change; block while they do not
+    (an idle engine costs this thread no wake-up). A change after ``clear()`` sets the event again, so the last
+    change is always written."""
     last: dict[str, Any] | None = None
     while True:
+        METRICS.changed.wait()
         time.sleep(WRITE_INTERVAL_S)
+        METRICS.changed.clear()
         snap = METRICS.snapshot()
         if snap == last:
             continue

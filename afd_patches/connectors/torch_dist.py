@@ -32,10 +32,18 @@ Handshake
 
 Backend
     ``connector_extra_config["backend"]`` if given, else ``"nccl"`` when CUDA
-    is available and ``"gloo"`` otherwise. Messages travel on the backend's
-    device (``cpu`` for gloo, the current CUDA device for NCCL;
-    ``connector_extra_config["device"]`` overrides it); the attention side gets
-    its results back on the device its hidden states came from.
+    is available and ``"tcp"`` otherwise. ``tcp`` forms no torch group: after
+    the handshake each FFN/attention pair opens one plain socket
+    (``afd_patches.connectors.sockets``, found through the group's store) and
+    the thread that waits reads it itself, so a message costs one thread
+    wake-up instead of gloo's two or more, and an idle group wakes nothing (a
+    gloo group's loop thread wakes 100 times a second). On that socket a
+    message is the header followed by its payload (no inline form, no tags);
+    everything else below holds for it as for gloo, except where it says.
+    Messages travel on the backend's device (``cpu`` for gloo and tcp, the
+    current CUDA device for NCCL; ``connector_extra_config["device"]``
+    overrides it, not on tcp); the attention side gets its results back on the
+    device its hidden states came from.
 
 Wire format
     Every message starts with an ``int64`` header of ``HEADER_LEN`` words
@@ -45,9 +53,7 @@ Wire format
     the same message right after the header: the receiver posts a buffer of
     ``HEADER_BYTES + inline_bytes`` and gloo accepts a shorter message. This
     halves the messages of a decode step, and every gloo message costs thread
-    wake-ups on both sides (measured on a shared 2-core machine, 8x64 float32:
-    median exchange about 0.55 ms inline against 0.8 ms split; under heavy
-    load the split form degraded far more). Larger payloads, and all
+    wake-ups on both sides (figures: docs/benchmarks.md). Larger payloads, and all
     payloads on NCCL (which needs exact sizes), follow as a second message with
     tag ``TAG_PAYLOAD``. A zero-element tensor (an idle attention rank's
     ``(0, hidden)`` step) is the header alone. ``kind`` is ``DATA`` or
@@ -61,7 +67,8 @@ Schedules
     layer from every open served rank (they must agree on layer and step).
     ``pingpong`` with several served ranks: it keeps one header receive posted
     per open rank and returns whichever completes first
-    (``afd_patches.connectors.arrivals``), the other slots zero-row; gloo only.
+    (``afd_patches.connectors.arrivals``; on tcp one ``select`` over the
+    ranks' sockets, ``SocketArrivals``), the other slots zero-row; gloo or tcp.
     Either way ``send_ffn_output`` answers exactly the ranks whose inputs the
     last ``recv_attn_output`` returned.
 
@@ -131,6 +138,7 @@ from __future__ import annotations
 import inspect
 import logging
 import socket
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -144,6 +152,7 @@ from afd_patches.connectors import auth, handshake, liveness
 from afd_patches.connectors.arrivals import Arrivals
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout, Meta
 from afd_patches.connectors.metrics import METRICS
+from afd_patches.connectors.sockets import SocketArrivals, SocketLinks
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -156,6 +165,7 @@ MAGIC = 0xAFD0_0001
 MAX_NDIM = 8
 HEADER_LEN = 7 + MAX_NDIM  # magic, kind, layer, step, dtype code, ndim, inline flag, shape[MAX_NDIM]
 HEADER_BYTES = HEADER_LEN * 8
+HEADER_STRUCT = struct.Struct(f"={HEADER_LEN}q")  # the same bytes as the int64 tensor form, without torch (tcp)
 DEFAULT_INLINE_BYTES = 64 * 1024
 KIND_DATA = 1
 KIND_CLOSE = 2
@@ -167,6 +177,7 @@ POLL_MIN_S, POLL_MAX_S, POLL_IDLE_S = 2e-5, 1e-3, 1e-2  # NCCL polling backoff (
 CLOSE_WAIT_S = 2.0  # how long close() waits for each peer to take its CLOSE header
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # see "Timeouts and failures": idle is not a failure
 MAX_MESSAGE_BYTES = 1 << 30  # bound on one received tensor when the model's identity gives no tighter one
+HOST_BACKENDS = ("gloo", "tcp")  # backends whose messages live in host memory (and that can serve pingpong)
 EXTRA_KEYS = ("backend", "device", "idle_timeout_s", "inline_bytes", "schedule")
 
 # Stable wire codes; a dtype missing from this torch build is simply not offered.
@@ -216,15 +227,8 @@ class Header(NamedTuple):
     inline: bool
 
 
-def encode_header(
-    kind: int,
-    layer: int,
-    step: int,
-    tensor: torch.Tensor | None,
-    device: torch.device,
-    inline: bool = False,
-) -> torch.Tensor:
-    """The ``int64`` header describing ``tensor`` (or a bare header for ``CLOSE``)."""
+def header_words(kind: int, layer: int, step: int, tensor: torch.Tensor | None, inline: bool = False) -> list[int]:
+    """The ``HEADER_LEN`` words of the header describing ``tensor`` (or a bare header for ``CLOSE``)."""
     words = [MAGIC, kind, layer, step, 0, 0, int(inline)] + [0] * MAX_NDIM
     if tensor is not None:
         name = dtype_name(tensor.dtype)
@@ -235,14 +239,30 @@ def encode_header(
         words[4] = DTYPE_CODES[name]
         words[5] = tensor.dim()
         words[7 : 7 + tensor.dim()] = list(tensor.shape)
-    return torch.tensor(words, dtype=torch.int64, device=device)
+    return words
 
 
-def decode_header(message: torch.Tensor) -> Header:
-    """Parse an ``int64`` header, or the header at the start of a ``uint8`` message; ``ConnectorError`` on garbage."""
-    if message.dtype == torch.uint8:
-        message = message[:HEADER_BYTES].view(torch.int64)
-    words = message.tolist()
+def encode_header(
+    kind: int,
+    layer: int,
+    step: int,
+    tensor: torch.Tensor | None,
+    device: torch.device,
+    inline: bool = False,
+) -> torch.Tensor:
+    """The ``int64`` header describing ``tensor`` (or a bare header for ``CLOSE``), on ``device``."""
+    return torch.tensor(header_words(kind, layer, step, tensor, inline), dtype=torch.int64, device=device)
+
+
+def decode_header(message: torch.Tensor | bytearray) -> Header:
+    """Parse an ``int64`` header, or the header at the start of a ``uint8`` message or a ``bytearray`` (tcp,
+    native byte order like the tensor form); ``ConnectorError`` on garbage."""
+    if isinstance(message, bytearray):
+        words = list(HEADER_STRUCT.unpack_from(message))
+    else:
+        if message.dtype == torch.uint8:
+            message = message[:HEADER_BYTES].view(torch.int64)
+        words = message.tolist()
     if len(words) != HEADER_LEN or words[0] != MAGIC or words[1] not in (KIND_DATA, KIND_CLOSE):
         raise ConnectorError(f"malformed AFD header {words[:7]}… (peer speaks another protocol or version?)")
     kind, layer, step, code, ndim, inline = words[1:7]
@@ -277,10 +297,10 @@ class TorchDistConnector(Connector):
             raise ConnectorError(
                 f"connector_extra_config: unknown key(s) {unknown} for torch_dist (known: {list(EXTRA_KEYS)})"
             )
-        self.backend: str = extra.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.backend: str = extra.get("backend") or ("nccl" if torch.cuda.is_available() else "tcp")
         if "device" in extra:
             self.device = torch.device(extra["device"])
-        elif self.backend == "gloo":
+        elif self.backend in HOST_BACKENDS:
             self.device = torch.device("cpu")
         else:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -294,14 +314,17 @@ class TorchDistConnector(Connector):
             raise ConnectorError(
                 f"connector_extra_config.inline_bytes={self.inline_bytes}: must be >= 0, and 0 unless backend is gloo"
             )
+        if self.backend == "tcp" and self.device.type != "cpu":
+            raise ConnectorError(f"connector_extra_config.device={self.device}: backend tcp carries host memory "
+                                 "only (leave device unset)")
         self.schedule = config.schedule
-        if self.schedule not in SCHEDULES or (self.schedule == "pingpong" and self.backend != "gloo"):
+        if self.schedule not in SCHEDULES or (self.schedule == "pingpong" and self.backend not in HOST_BACKENDS):
             raise ConnectorError(f"connector_extra_config.schedule={self.schedule!r}: must be one of "
-                                 f"{list(SCHEDULES)}, and 'pingpong' needs backend gloo")
+                                 f"{list(SCHEDULES)}, and 'pingpong' needs backend gloo or tcp")
         self._pg: Any = None
         self._answer: list[int] = []  # the peers whose inputs the last recv_attn_output returned
-        self._arrivals = Arrivals(f"afd-arrivals-{config.rank}")  # pingpong: header receives in arrival order
-        self._posted: dict[int, torch.Tensor] = {}  # pingpong: peer -> buffer of its posted header receive
+        self._arrivals: Arrivals | SocketArrivals = Arrivals(f"afd-arrivals-{config.rank}")  # pingpong
+        self._posted: dict[int, torch.Tensor | bytearray] = {}  # pingpong: peer -> buffer of its posted header receive
         self._store: Any = None  # FFN rank 0: the TCPStore that took over the handshake's listening socket
         self._pending: list[tuple[Any, torch.Tensor, int, str]] = []  # (work, tensor kept alive, peer, what)
         self._closed_peers: set[int] = set()
@@ -353,6 +376,9 @@ class TorchDistConnector(Connector):
             handshake.join(self.config.host, self.config.port, self._hello(), deadline, wait_s, self._token,
                            self._cancel.is_set)
             METRICS.add("handshakes_accepted")
+        if self.backend == "tcp":
+            self._form_links(deadline, wait_s)
+            return
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         remaining = max(deadline - time.monotonic(), 1.0)
@@ -384,6 +410,45 @@ class TorchDistConnector(Connector):
             self.close()
             raise
 
+    def _form_links(self, deadline: float, wait_s: float) -> None:
+        """``backend: tcp``: one socket per peer (``afd_patches.connectors.sockets``), then the heartbeat."""
+        try:
+            store = self._group_store()
+            links = SocketLinks.form_group(self.role == topology.FFN, self.global_rank, list(self.peers), store,
+                                           self.config.host, self._token, deadline, self._cancel.is_set,
+                                           self.timeout_s, self.world_size)
+        except (ConnectorError, RuntimeError, OSError) as e:
+            self._store = None
+            if isinstance(e, ConnectorError) and self._cancel.is_set():
+                raise ConnectorError(f"AFD connector init of {self._me()} was cancelled by close()") from e
+            cls = ConnectorTimeout if isinstance(e, ConnectorTimeout) else ConnectorError
+            raise cls(f"AFD connector init failed for {self._me()}: could not form the tcp group of "
+                      f"{self.world_size} ranks at {self.address} within {wait_s:g}s ({e})") from e
+        with self._cond:
+            if self._cancel.is_set():
+                links.shutdown()
+                raise ConnectorError(f"AFD connector init of {self._me()} was cancelled by close()")
+            self._pg = links
+        self._arrivals = SocketArrivals(links)
+        try:
+            self._start_heartbeat()
+        except BaseException:
+            self.close()
+            raise
+
+    def _group_store(self) -> Any:
+        """The group's ``TCPStore``: the one this rank hosts (FFN rank 0), else a client of it (cached)."""
+        if self._store is None:
+            from torch.distributed import TCPStore
+
+            try:
+                self._store = TCPStore(self.config.host, self.config.port, None, False,
+                                       timedelta(seconds=self.timeout_s), wait_for_workers=False)
+            except RuntimeError as e:
+                raise ConnectorError(f"AFD {self._me()}: cannot reach the group's store at {self.address} "
+                                     f"({e})") from e
+        return self._store
+
     def group_timeout(self, remaining_s: float) -> timedelta:
         """The timeout the group is created with: what is left of the handshake budget on gloo (every wait
         passes its own bound); on NCCL, where torch's watchdog aborts the process once any queued operation
@@ -408,19 +473,8 @@ class TorchDistConnector(Connector):
 
     def _start_heartbeat(self) -> None:
         """Beat in the group's store and watch this rank's peers (see ``afd_patches.connectors.liveness``)."""
-        if self._store is not None:
-            store = self._store
-        else:
-            from torch.distributed import TCPStore
-
-            try:
-                store = TCPStore(self.config.host, self.config.port, None, False,
-                                 timedelta(seconds=self.timeout_s), wait_for_workers=False)
-            except RuntimeError as e:
-                raise ConnectorError(f"AFD {self._me()}: cannot reach the group's store at {self.address} for "
-                                     f"the heartbeat ({e})") from e
-        beat = liveness.Heartbeat(store, self.global_rank, list(self.peers), self.timeout_s, self._on_lost,
-                                  f"{self.address} (hosted by ffn rank 0)", store_rank=0)
+        beat = liveness.Heartbeat(self._group_store(), self.global_rank, list(self.peers), self.timeout_s,
+                                  self._on_lost, f"{self.address} (hosted by ffn rank 0)", store_rank=0)
         beat.start()
         self._heartbeat = beat
 
@@ -431,7 +485,9 @@ class TorchDistConnector(Connector):
         self._lost[peer] = (cls, why)
         logger.warning("AFD %s: lost %s: %s", self._me(), self._describe(peer), why)
         pg = self._pg
-        if pg is not None and self.backend == "gloo":
+        if pg is not None and self.backend == "tcp":
+            pg.interrupt(peer)
+        elif pg is not None and self.backend == "gloo":
             _break_gloo_pair(pg, peer)
 
     def _hello(self) -> handshake.Hello:
@@ -488,9 +544,17 @@ class TorchDistConnector(Connector):
         clean = ended_cleanly and not self._lost
         interrupted = bool(self._busy)  # on NCCL an abandoned receive stays queued: abort, never shut down
         offered = False
-        if clean and (self.backend == "gloo" or not self._busy):
-            clean = offered = self._offer_close(pg)  # gloo takes this next to a blocked wait; NCCL only alone
-        if self._busy and self.backend == "gloo":
+        if clean and self.backend == "tcp" and self._heartbeat is not None:
+            # tcp delivers CLOSE at once, and a peer that hosts the store may end it right away: say "gone on
+            # purpose" in the store first, so this rank's last store request does not hit a closed store
+            self._heartbeat.stop(clean=True)
+            self._heartbeat = None
+        if clean and (self.backend in HOST_BACKENDS or not self._busy):
+            clean = offered = self._offer_close(pg)  # gloo/tcp take this next to a blocked wait; NCCL only alone
+        if self._busy and self.backend == "tcp":
+            for peer in self.peers:
+                pg.interrupt(peer)
+        elif self._busy and self.backend == "gloo":
             for peer in self.peers:
                 _break_gloo_pair(pg, peer)
         with self._cond:
@@ -515,9 +579,12 @@ class TorchDistConnector(Connector):
                 if peer in self._closed_peers:
                     continue
                 header = encode_header(KIND_CLOSE, -1, -1, None, self.device).view(torch.uint8)
+                if self.backend == "tcp":  # written before send() returns, bounded by wait_s
+                    pg.send([header], peer, TAG_HEADER, timeout_s=wait_s)
+                    continue
                 works.append((pg.send([header], peer, TAG_HEADER), header))
             for work, _ in [*((w, t) for w, t, _, _ in self._pending), *works]:
-                if self.backend == "gloo":
+                if self.backend in HOST_BACKENDS:
                     work.wait(timeout=timedelta(seconds=wait_s))
                 elif not _poll(work, time.monotonic() + wait_s, lambda: False):
                     return False
@@ -598,9 +665,20 @@ class TorchDistConnector(Connector):
             raise self._fail(e, peer, what, self.timeout_s) from e
         finally:
             self._leave()
-        self._pending.append((work, tensor, peer, what))
+        if self.backend != "tcp":  # a tcp send completed inside pg.send
+            self._pending.append((work, tensor, peer, what))
 
-    def _post_recv(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+    def _post_send_all(self, tensors: list[torch.Tensor | bytes], peer: int, what: str) -> None:
+        """``backend: tcp``: write ``tensors`` back to back to ``peer`` (complete on return)."""
+        pg = self._enter()
+        try:
+            pg.send(tensors, peer, TAG_HEADER)
+        except RuntimeError as e:
+            raise self._fail(e, peer, what, self.timeout_s) from e
+        finally:
+            self._leave()
+
+    def _post_recv(self, tensor: torch.Tensor | bytearray, peer: int, tag: int, what: str) -> Any:
         pg = self._enter()
         try:
             return pg.recv([tensor], peer, tag)
@@ -613,7 +691,7 @@ class TorchDistConnector(Connector):
         """Wait for ``work`` at most ``timeout_s``: blocking on gloo, polling elsewhere (see "NCCL")."""
         self._enter()
         try:
-            if self.backend == "gloo":
+            if self.backend in HOST_BACKENDS:
                 work.wait(timeout=timedelta(seconds=timeout_s))
             elif not _poll(work, time.monotonic() + timeout_s,
                            lambda: self._cancel.is_set() or peer in self._lost):
@@ -639,6 +717,11 @@ class TorchDistConnector(Connector):
         what = f"layer {layer} step {step}"
         nbytes = tensor.numel() * tensor.element_size()
         inline = 0 < nbytes <= self.inline_bytes
+        if self.backend == "tcp":  # header and payload in one write on the pair's stream
+            self._post_send_all([HEADER_STRUCT.pack(*header_words(KIND_DATA, layer, step, tensor)), tensor], peer,
+                                what)
+            self._count_sent(layer, nbytes)
+            return
         header = encode_header(KIND_DATA, layer, step, tensor, self.device, inline).view(torch.uint8)
         if inline:
             message = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.device)
@@ -649,6 +732,9 @@ class TorchDistConnector(Connector):
             self._post_send(header, peer, TAG_HEADER, f"header of {what}")
             if nbytes:
                 self._post_send(tensor, peer, TAG_PAYLOAD, f"payload of {what}")
+        self._count_sent(layer, nbytes)
+
+    def _count_sent(self, layer: int, nbytes: int) -> None:
         self.messages_sent += 1
         METRICS.add("bytes_sent", nbytes)
         if layer == 0 and nbytes == 0:
@@ -657,7 +743,10 @@ class TorchDistConnector(Connector):
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to(self.device).contiguous()
 
-    def _post_header_recv(self, peer: int, what: str) -> tuple[torch.Tensor, Any]:
+    def _post_header_recv(self, peer: int, what: str) -> tuple[torch.Tensor | bytearray, Any]:
+        if self.backend == "tcp":  # no torch op per header on tcp: a bytearray and struct
+            message: torch.Tensor | bytearray = bytearray(HEADER_BYTES)
+            return message, self._post_recv(message, peer, TAG_HEADER, what)
         message = torch.empty(HEADER_BYTES + self.inline_bytes, dtype=torch.uint8, device=self.device)
         return message, self._post_recv(message, peer, TAG_HEADER, what)
 
@@ -710,11 +799,12 @@ class TorchDistConnector(Connector):
             return shape
         return None
 
-    def _recv_payload(self, message: torch.Tensor, header: Header, peer: int, what: str) -> tuple[torch.Tensor, Any]:
+    def _recv_payload(self, message: torch.Tensor | bytearray, header: Header, peer: int,
+                      what: str) -> tuple[torch.Tensor, Any]:
         """The payload described by ``header``: a view into ``message`` when inline, else a posted receive."""
         nbytes = self._check_header(header, peer, what)
         dtype = getattr(torch, header.dtype)
-        if header.inline:
+        if header.inline and isinstance(message, torch.Tensor):  # (tcp has no inline form)
             return message[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype).view(header.shape), None
         out = torch.empty(header.shape, dtype=dtype, device=self.device)
         work = self._post_recv(out, peer, TAG_PAYLOAD, f"payload of {what}") if out.numel() else None

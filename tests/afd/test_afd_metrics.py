@@ -39,6 +39,12 @@ def test_snapshot_written_by_a_worker_shows_on_the_front_end(tmp_path: Path, mon
     assert 'vllm:afd_exchange_latency_seconds_count{rank="0",role="attention"} 2.0' in text
     for name in metrics.COUNTERS:
         assert f"vllm:afd_{name}_total" in text
+    time.sleep(2 * metrics.WRITE_INTERVAL_S)  # nothing changes: the writer blocks (no periodic wake-up) ...
+    assert not m.changed.is_set()
+    m.add("exchanges")  # ... and the next change wakes it
+    while 'vllm:afd_exchanges_total{rank="0",role="attention"} 7.0' not in (text := _exposition(directory)):
+        assert time.monotonic() < deadline + 5, text
+        time.sleep(0.1)
 
 
 def test_collector_skips_foreign_or_malformed_snapshots(tmp_path: Path) -> None:

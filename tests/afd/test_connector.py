@@ -9,6 +9,7 @@ Workers report through a queue: ``(name, result dict)``.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -16,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -44,8 +46,10 @@ _CTX.set_forkserver_preload(["torch", "vllm.distributed.utils", "afd_patches.con
 
 # --------------------------------------------------------------------------- helpers
 def make_config(
-    role: str, rank: int, port: int, a: int = 1, f: int = 1, timeout_s: float = 15.0, **extra: Any
+    role: str, rank: int, port: int, a: int = 1, f: int = 1, timeout_s: float = 15.0, backend: str = "tcp",
+    **extra: Any
 ) -> AfdConfig:
+    """A 127.0.0.1 config; ``backend`` ``tcp`` (the CPU default) unless a test names gloo."""
     return AfdConfig(
         role=role,
         host="127.0.0.1",
@@ -54,7 +58,7 @@ def make_config(
         num_ffn_ranks=f,
         rank=rank,
         timeout_s=timeout_s,
-        connector_extra_config={"backend": "gloo", **extra},
+        connector_extra_config={"backend": backend, **extra},
     )
 
 
@@ -283,17 +287,19 @@ def test_model_identity_and_hello_comparison() -> None:
 
 
 # ----------------------------------------------------------------- multi-process
-def test_round_trip_1a1f_and_close() -> None:
+@pytest.mark.parametrize("backend", ["gloo", "tcp"])
+def test_round_trip_1a1f_and_close(backend: str) -> None:
     """x*2+1 exactly for every layer and step (zero-token steps included); close ends the FFN loop.
 
     The FFN starts a second after the attention rank, whose init() must wait for the store.
-    Step 3 (1100 tokens x 64 B) is over the 64 KiB inline limit: header and payload travel apart.
+    Step 3 (1100 tokens x 64 B) is over gloo's 64 KiB inline limit: header and payload travel apart
+    (on tcp: 275 KiB in one write, more than a socket buffer, so read in several pieces).
     """
     port, layers, plan = free_port(), 3, [3, 0, 5, 1100, 0]
     queue = _CTX.Queue()
     procs = [
-        start(attention_worker, make_config("attention", 0, port), plan, layers, queue),
-        start(ffn_worker, make_config("ffn", 0, port), queue, 1.0),
+        start(attention_worker, make_config("attention", 0, port, backend=backend), plan, layers, queue),
+        start(ffn_worker, make_config("ffn", 0, port, backend=backend), queue, 1.0),
     ]
     got = collect(queue, {"ffn0", "attention0"}, 45)
     _join_all(procs, 10)
@@ -315,9 +321,10 @@ def test_2a1f_batched_with_idle_rank() -> None:
     port, layers = free_port(), 2
     plans = {0: [4, 2, 0, 3], 1: [0, 0, 5, 1]}  # rank 1 idle at first, rank 0 idle at step 2
     queue = _CTX.Queue()
-    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2, inline_bytes=0), queue)]
+    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2, backend="gloo", inline_bytes=0), queue)]
     procs += [
-        start(attention_worker, make_config("attention", r, port, a=2, inline_bytes=0), plan, layers, queue)
+        start(attention_worker, make_config("attention", r, port, a=2, backend="gloo", inline_bytes=0), plan,
+              layers, queue)
         for r, plan in plans.items()
     ]
     got = collect(queue, {"ffn0", "attention0", "attention1"}, 45)
@@ -331,16 +338,17 @@ def test_2a1f_batched_with_idle_rank() -> None:
     assert [m[2][0] for m in f["metas"][::layers]] == [4, 2, 5, 4]  # batched rows per step
 
 
-def test_2a1f_pingpong_serves_each_rank_as_it_arrives() -> None:
+@pytest.mark.parametrize("backend", ["gloo", "tcp"])
+def test_2a1f_pingpong_serves_each_rank_as_it_arrives(backend: str) -> None:
     """``schedule: pingpong``: one FFN call per rank and layer-step, no lockstep (rank 1 closes after one
     step while rank 0 goes on; rank 1 runs zero-token steps only at its own pace); each rank gets its own
     rows back exactly, and the ranks' steps interleave freely (rank 0's step 3 may come before rank 1's 0)."""
     port, layers = free_port(), 2
     plans = {0: [4, 0, 2, 1100], 1: [5]}  # 1100 rows: header and payload travel apart
     queue = _CTX.Queue()
-    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2, schedule="pingpong"), queue)]
-    procs += [start(attention_worker, make_config("attention", r, port, a=2, schedule="pingpong"), plan, layers,
-                    queue) for r, plan in plans.items()]
+    procs = [start(ffn_worker, make_config("ffn", 0, port, a=2, schedule="pingpong", backend=backend), queue)]
+    procs += [start(attention_worker, make_config("attention", r, port, a=2, schedule="pingpong", backend=backend),
+                    plan, layers, queue) for r, plan in plans.items()]
     got = collect(queue, {"ffn0", "attention0", "attention1"}, 45)
     _join_all(procs, 10)
     total = 0
@@ -399,13 +407,13 @@ def test_2a2f_block_mapping() -> None:
         assert (got[f"ffn{r}"]["error"], got[f"ffn{r}"]["calls"]) == ("ConnectorClosed", n)
 
 
-@pytest.mark.parametrize("how", ["killed", "hung"])
-def test_dead_or_hung_ffn(how: str) -> None:
+@pytest.mark.parametrize("how,backend", [("killed", "gloo"), ("hung", "gloo"), ("killed", "tcp"), ("hung", "tcp")])
+def test_dead_or_hung_ffn(how: str, backend: str) -> None:
     """FFN killed (socket closes) or frozen (only the timeout can tell): attention fails within timeout_s."""
     port, timeout_s = free_port(), 2.0
     queue = _CTX.Queue()
-    ffn_proc = start(ffn_worker, make_config("ffn", 0, port, timeout_s=timeout_s), queue)
-    attn_cfg = make_config("attention", 0, port, timeout_s=timeout_s)
+    ffn_proc = start(ffn_worker, make_config("ffn", 0, port, timeout_s=timeout_s, backend=backend), queue)
+    attn_cfg = make_config("attention", 0, port, timeout_s=timeout_s, backend=backend)
     attn_proc = start(attention_worker, attn_cfg, [2], 2, queue, True)
     try:
         collect(queue, {"attention0-progress"}, 30)
@@ -736,3 +744,70 @@ def test_run_ffn_calls_the_ffn_once_on_the_busy_rows_only() -> None:
     out = _run_ffn(model, 1, [a, empty, b], *cpu_f32)
     assert len(model.calls) == 2 and model.calls[1][1].shape == (5, HIDDEN)
     assert torch.equal(out[0], ffn(a)) and out[1] is empty and torch.equal(out[2], ffn(b))
+
+
+# ------------------------------------------------------------- backend tcp: data connections
+class _DictStore:
+    """The three calls of torch's ``TCPStore`` that ``sockets`` uses, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+def test_tcp_links_drop_strangers_and_wrong_tokens_then_carry_bytes_both_ways() -> None:
+    """An FFN rank's data port drops a connection that sends garbage, one with a wrong token's proof and one
+    claiming a rank it does not serve, and still forms with its real attention rank; that rank refuses an
+    FFN whose answer does not prove the token. Then bytes go both ways and ``interrupt`` ends a blocked wait."""
+    from afd_patches.connectors import auth, sockets
+
+    store, token, deadline = _DictStore(), b"k" * 32, time.monotonic() + 20
+    formed: dict[str, Any] = {}
+
+    def ffn() -> None:
+        formed["ffn"] = sockets.SocketLinks.form(True, 0, [1], store, "127.0.0.1", token, deadline, lambda: False,
+                                                 5.0)
+
+    thread = threading.Thread(target=ffn, daemon=True)
+    thread.start()
+    while not store.check([sockets.key(0)]):
+        time.sleep(0.01)
+    info = json.loads(store.get(sockets.key(0)))
+    address, cookie = (info["host"], info["port"]), bytes.fromhex(info["cookie"])
+    for hello in ((b"GET / HTTP/1.0\r\n\r\n" * 4)[:sockets.HELLO.size],
+                  sockets.HELLO.pack(1, b"n" * 16, auth.proof(b"wrong", sockets.LABEL_JOIN, b"n" * 16, cookie)),
+                  sockets.HELLO.pack(7, b"n" * 16, auth.proof(token, sockets.LABEL_JOIN, b"n" * 16, cookie))):
+        with socket.create_connection(address, timeout=5) as s:
+            s.sendall(hello)
+            assert s.recv(64) == b""  # dropped
+    attention = sockets.SocketLinks.form(False, 1, [0], store, "127.0.0.1", token, deadline, lambda: False, 5.0)
+    thread.join(10)
+    ffn_links = formed["ffn"]
+    x = torch.arange(1000, dtype=torch.float32)
+    attention.send([x[:3], x], 0)
+    got = torch.empty(1003)
+    ffn_links.recv([got], 1).wait(timedelta(seconds=5))
+    assert torch.equal(got, torch.cat([x[:3], x]))
+    waiter = ffn_links.recv([torch.empty(4)], 1)
+    threading.Timer(0.3, ffn_links.interrupt, args=(1,)).start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="closed"):
+        waiter.wait(timedelta(seconds=30))
+    assert time.monotonic() - t0 < 5
+    ffn_links.shutdown()
+    attention.shutdown()
+    with pytest.raises(ConnectorError, match="does not prove the group's token"):
+        with socket.create_server(("127.0.0.1", 0)) as fake:
+            store.set(sockets.key(2), json.dumps({"host": "127.0.0.1", "port": fake.getsockname()[1],
+                                                  "cookie": cookie.hex()}))
+            threading.Thread(target=lambda: fake.accept()[0].sendall(b"x" * sockets.ACK_BYTES), daemon=True).start()
+            sockets.SocketLinks.form(False, 1, [2], store, "127.0.0.1", token, time.monotonic() + 5,
+                                     lambda: False, 5.0)
