@@ -7,10 +7,7 @@ Why
     10 ms while the group is idle (about 100 wake-ups per second and process).
     Here the thread that waits reads the socket itself: one wake-up per message
     on the receiving side, none on the sending side, and nothing at all while
-    idle. Measured on the shared 2-core machine (16x64 float32 echo, load
-    average 2-3): a bare socket round trip 20-30 us; through the connector,
-    tcp 0.35-0.66 ms against gloo 0.76-4.0 ms, most of it scheduling of the two
-    processes (``docs/benchmarks.md``).
+    idle (figures: ``docs/benchmarks.md``).
 
 Group
     ``SocketLinks.form`` runs after the rendezvous (``handshake``), using the
