@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.afd_server_load import Deployment, Server, load
+from benchmarks.afd_server_load import Deployment, Server, bring_up, load
 from tests.support.env import REPO, vllm_env
 from tests.support.tiny_model import build
 from tests.support.tiny_tokenizer import build_tokenizer
@@ -122,14 +122,7 @@ def main() -> None:
                     p for p in (str(args.baseline.resolve()), env.get("PYTHONPATH", "")) if p)}
                 deps.append(Deployment(f"base-{schedules[0]}", schedules[0], 1, model, work, base_env, ns))
             servers += [d.ffn for d in deps]
-            for s in servers:
-                s.wait_healthy()
-            for d in deps:
-                d.start_attention()
-                servers += d.attns
-            for d in deps:
-                for a in d.attns:
-                    a.wait_healthy()
+            bring_up(servers, deps)
             for ports in [[p.port] for p in plains] + [[a.port for a in d.attns] for d in deps]:
                 load(ports, model, 4, 8)
             time.sleep(args.settle_s)

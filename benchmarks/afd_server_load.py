@@ -207,6 +207,19 @@ class Deployment:
 ARCH = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
 
 
+def bring_up(servers: list[Server], deployments: list[Deployment]) -> None:
+    """Wait for every started server (plain and FFN), then start each deployment's attention servers
+    (added to ``servers``) and wait for them."""
+    for s in list(servers):
+        s.wait_healthy()
+    for dep in deployments:
+        dep.start_attention()
+        servers += dep.attns
+    for dep in deployments:
+        for a in dep.attns:
+            a.wait_healthy()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--attention-ranks", type=int, default=1)
@@ -251,14 +264,7 @@ def main() -> None:
                                  {**env, **extra, "PYTHONPATH": os.pathsep.join(p for p in path if p)}, args)
                 deployments.append(dep)
                 servers.append(dep.ffn)
-            for s in list(servers):
-                s.wait_healthy()
-            for dep in deployments:
-                dep.start_attention()
-                servers += dep.attns
-            for dep in deployments:
-                for a in dep.attns:
-                    a.wait_healthy()
+            bring_up(servers, deployments)
             targets = {"plain": [plain.port], **{d.label: [a.port for a in d.attns] for d in deployments}}
             for ports in targets.values():
                 load(ports, model, 4, 8)  # warm-up
