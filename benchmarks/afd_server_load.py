@@ -11,7 +11,8 @@ float32 Llama with a tiny tokenizer, all on 127.0.0.1. Then:
 2. Load, ``--rounds`` times, the order of the sides rotating every round:
    ``--requests`` concurrent greedy completions of ``--tokens`` tokens each
    (``ignore_eos``), sent with the ``openai`` client (round-robin over the
-   attention servers); decode tok/s = completion tokens / wall time of the batch.
+   attention servers), each side's batch ``SETTLE_S`` after the previous one
+   ended; decode tok/s = completion tokens / wall time of the batch.
    Every round checks AFD's completions equal plain's.
 3. Where an AFD exchange's time goes: the roles' ``vllm:afd_exchange_latency_seconds``
    from ``/metrics`` (attention side: send to answer; FFN side: inputs complete to
@@ -52,6 +53,10 @@ from tests.support.tiny_tokenizer import build_tokenizer
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 400.0
+# vLLM's workers keep busy-polling their input queue for 1 s after the last step (``SpinCondition`` in
+# vllm/distributed/device_communicators/shm_broadcast.py); each side waits this long before its batch so that
+# it does not share the cores with the previous side's spin.
+SETTLE_S = 1.5
 SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
@@ -281,6 +286,7 @@ def main() -> None:
                 order = labels[r % len(labels):] + labels[:r % len(labels)]
                 texts = {}
                 for label in order:
+                    time.sleep(SETTLE_S)
                     cpu0 = [s.cpu_by_process() for s in groups[label]]
                     rate, texts[label] = load(targets[label], model, args.requests, args.tokens)
                     for s, c0 in zip(groups[label], cpu0, strict=True):
@@ -312,7 +318,8 @@ def report(args: argparse.Namespace, tps: dict[str, list[float]], loadavg: list[
     print(f"tiny Llama, OpenAI server, {args.requests} concurrent x {args.tokens} tokens, greedy, float32; "
           f"AFD {args.attention_ranks}A1F; bind={args.bind or 'auto (default)'}, "
           f"FFN bind={args.ffn_bind or args.bind or 'auto (default)'}, "
-          f"pin={'plain+attention core 0, FFN core 1' if args.pin else 'none'}; rounds rotate the order")
+          f"pin={'plain+attention core 0, FFN core 1' if args.pin else 'none'}; rounds rotate the order, "
+          f"each side starts {SETTLE_S} s after the last")
     print(f"load average (1 min) after each round: {', '.join(f'{x:.1f}' for x in loadavg)}")
     for label, rates in tps.items():
         line = f"{label:16s} tok/s per round: {', '.join(f'{x:6.0f}' for x in rates)}  median {median(rates):6.0f}"
