@@ -16,7 +16,7 @@ float32 Llama with a tiny tokenizer, all on 127.0.0.1. Then:
    Every round checks AFD's completions equal plain's.
 3. Where an AFD exchange's time goes: the roles' ``vllm:afd_exchange_latency_seconds``
    from ``/metrics`` (attention side: send to answer; FFN side: inputs complete to
-   outputs posted), as means over the load rounds; with ``--timings`` also the
+   outputs ready to send), as means over the load rounds; with ``--timings`` also the
    per-call means of the benchmark-only counters in ``timing_hook/``. And each
    side's CPU time per generated token during its own rounds, per server and
    process (front end, engine core, worker).

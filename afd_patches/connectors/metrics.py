@@ -24,7 +24,7 @@ Export
 Metrics (labels ``role``, ``rank``)
     ``vllm:afd_exchanges`` (attention: layer exchanges answered; FFN: batched
     layer calls served), ``vllm:afd_exchange_latency_seconds`` (histogram;
-    attention: send to answer; FFN: inputs received to outputs posted),
+    attention: send to answer; FFN: inputs received to outputs ready to send),
     ``vllm:afd_bytes_sent`` / ``vllm:afd_bytes_received`` (tensor payloads),
     ``vllm:afd_idle_steps`` (zero-token steps), ``vllm:afd_handshakes_accepted``
     / ``vllm:afd_handshakes_refused`` (rendezvous connections),

@@ -962,12 +962,15 @@ class TorchDistConnector(Connector):
         self._check(topology.FFN)
         if len(outputs) != len(self.peers):
             raise ConnectorError(f"AFD {self._me()}: {len(outputs)} outputs for {len(self.peers)} attention ranks")
+        # The FFN's own time stops here: a send that wakes the attention rank can hand it this core, and the
+        # time until this thread runs again says nothing about the FFN.
+        elapsed = time.perf_counter() - self._received_at
         self._drain_sends()
         for tensor, peer in zip(outputs, self.peers, strict=True):
             if peer in self._answer:
                 self._send_tensor(self._wire(tensor), peer, meta.layer, meta.step)
         METRICS.add("exchanges")
-        METRICS.observe(time.perf_counter() - self._received_at)
+        METRICS.observe(elapsed)
 
 
 def _poll(work: Any, deadline: float, stop: Any) -> bool:
