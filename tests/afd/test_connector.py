@@ -150,6 +150,32 @@ def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0) -> None:
         )
 
 
+def slow_send_ffn_worker(cfg: AfdConfig, queue: Any, send_delay_s: float) -> None:
+    """Serve like ``ffn_worker`` with every send ``send_delay_s`` slower; report this process's
+    exchange count and latency sum (``connectors.metrics``)."""
+    from afd_patches.connectors import metrics
+
+    torch.set_num_threads(1)
+    conn = TorchDistConnector(cfg)
+    send = conn._send_tensor
+
+    def slow_send(*args: Any) -> Any:
+        time.sleep(send_delay_s)
+        return send(*args)
+
+    conn._send_tensor = slow_send  # type: ignore[method-assign]
+    try:
+        conn.init()
+        while True:
+            meta, xs = conn.recv_attn_output()
+            conn.send_ffn_output([ffn(x) for x in xs], meta)
+    except ConnectorError as e:
+        conn.close()
+        snap = metrics.METRICS.snapshot()
+        _report(queue, f"ffn{cfg.rank}", exchanges=snap["counts"].get("exchanges", 0),
+                latency_sum=snap["latency_sum"], **_error_fields(e))
+
+
 def init_only_worker(
     cfg: AfdConfig, queue: Any, identity: dict[str, Any] | None = None, name: str | None = None
 ) -> None:
@@ -311,6 +337,24 @@ def test_round_trip_1a1f_and_close(backend: str) -> None:
     assert f["metas"][:2] == [(0, 0, (3, HIDDEN), "float32"), (1, 0, (3, HIDDEN), "float32")]
     assert f["metas"][layers] == (0, 1, (0, HIDDEN), "float32")
     assert f["metas"][3 * layers] == (0, 3, (1100, HIDDEN), "float32")
+
+
+def test_ffn_exchange_latency_is_its_own_time_not_its_send() -> None:
+    """The FFN's ``afd_exchange_latency_seconds`` stops when its outputs are ready to send: a send
+    that takes 0.25 s longer (as one can when it hands the core to the attention rank it woke)
+    adds nothing to it."""
+    port, layers, plan = free_port(), 2, [3, 2]
+    queue = _CTX.Queue()
+    procs = [
+        start(attention_worker, make_config("attention", 0, port), plan, layers, queue),
+        start(slow_send_ffn_worker, make_config("ffn", 0, port), queue, 0.25),
+    ]
+    got = collect(queue, {"ffn0", "attention0"}, 45)
+    _join_all(procs, 10)
+    assert got["attention0"]["error"] is None and got["attention0"]["mismatches"] == 0, got
+    f = got["ffn0"]
+    assert f["exchanges"] == layers * len(plan), f
+    assert f["latency_sum"] < 0.25, f  # with the sends counted: at least 4 x 0.25 s
 
 
 def test_2a1f_batched_with_idle_rank() -> None:
