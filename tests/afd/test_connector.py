@@ -855,3 +855,31 @@ def test_tcp_links_drop_strangers_and_wrong_tokens_then_carry_bytes_both_ways() 
             threading.Thread(target=lambda: fake.accept()[0].sendall(b"x" * sockets.ACK_BYTES), daemon=True).start()
             sockets.SocketLinks.form(False, 1, [2], store, "127.0.0.1", token, time.monotonic() + 5,
                                      lambda: False, 5.0)
+
+
+def test_tcp_links_on_a_wildcard_host_listen_everywhere_and_publish_the_host_name_address() -> None:
+    """With ``host: 0.0.0.0`` an FFN rank's data port listens on every interface (loopback included) and
+    publishes the address its host name resolves to, as gloo names its own; the pair forms through it."""
+    from afd_patches.connectors import sockets
+
+    store, token, deadline = _DictStore(), b"w" * 32, time.monotonic() + 20
+    formed: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: formed.setdefault("ffn", sockets.SocketLinks.form(
+        True, 0, [1], store, "0.0.0.0", token, deadline, lambda: False, 5.0)), daemon=True)
+    thread.start()
+    while not store.check([sockets.key(0)]):
+        time.sleep(0.01)
+    info = json.loads(store.get(sockets.key(0)))
+    assert info["host"] == socket.gethostbyname(socket.gethostname())
+    with socket.create_connection(("127.0.0.1", info["port"]), timeout=5) as s:  # a stranger on loopback
+        s.sendall(b"\0" * sockets.HELLO.size)
+        assert s.recv(64) == b""  # reached the port, and dropped
+    attention = sockets.SocketLinks.form(False, 1, [0], store, "0.0.0.0", token, deadline, lambda: False, 5.0)
+    thread.join(10)
+    x = torch.arange(64, dtype=torch.float32)
+    formed["ffn"].send([x], 1)
+    got = torch.empty(64)
+    attention.recv([got], 0).wait(timedelta(seconds=5))
+    assert torch.equal(got, x)
+    formed["ffn"].shutdown()
+    attention.shutdown()
