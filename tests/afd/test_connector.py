@@ -120,12 +120,23 @@ def attention_worker(cfg: AfdConfig, plan: list[int], layers: int, queue: Any, f
     )
 
 
-def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0) -> None:
-    """Serve until the attention side closes: one batched FFN call per received step."""
+def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0, send_delay_s: float = 0.0) -> None:
+    """Serve until the attention side closes: one batched FFN call per received step, every send
+    ``send_delay_s`` slower; the report includes this process's exchange count and latency sum."""
+    from afd_patches.connectors import metrics
+
     torch.set_num_threads(1)
     time.sleep(delay_s)
     name = f"ffn{cfg.rank}"
     conn = TorchDistConnector(cfg)
+    if send_delay_s:
+        send = conn._send_tensor
+
+        def slow_send(*args: Any) -> Any:
+            time.sleep(send_delay_s)
+            return send(*args)
+
+        conn._send_tensor = slow_send  # type: ignore[method-assign]
     calls = 0
     metas: list[Meta] = []
     try:
@@ -139,6 +150,7 @@ def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0) -> None:
             metas.append(meta)
     except ConnectorError as e:
         conn.close()
+        snap = metrics.METRICS.snapshot()
         _report(
             queue,
             name,
@@ -146,34 +158,10 @@ def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0) -> None:
             sent=conn.messages_sent,
             received=conn.messages_received,
             metas=[(m.layer, m.step, m.shape, m.dtype) for m in metas],
+            exchanges=snap["counts"].get("exchanges", 0),
+            latency_sum=snap["latency_sum"],
             **_error_fields(e),
         )
-
-
-def slow_send_ffn_worker(cfg: AfdConfig, queue: Any, send_delay_s: float) -> None:
-    """Serve like ``ffn_worker`` with every send ``send_delay_s`` slower; report this process's
-    exchange count and latency sum (``connectors.metrics``)."""
-    from afd_patches.connectors import metrics
-
-    torch.set_num_threads(1)
-    conn = TorchDistConnector(cfg)
-    send = conn._send_tensor
-
-    def slow_send(*args: Any) -> Any:
-        time.sleep(send_delay_s)
-        return send(*args)
-
-    conn._send_tensor = slow_send  # type: ignore[method-assign]
-    try:
-        conn.init()
-        while True:
-            meta, xs = conn.recv_attn_output()
-            conn.send_ffn_output([ffn(x) for x in xs], meta)
-    except ConnectorError as e:
-        conn.close()
-        snap = metrics.METRICS.snapshot()
-        _report(queue, f"ffn{cfg.rank}", exchanges=snap["counts"].get("exchanges", 0),
-                latency_sum=snap["latency_sum"], **_error_fields(e))
 
 
 def init_only_worker(
@@ -347,7 +335,7 @@ def test_ffn_exchange_latency_is_its_own_time_not_its_send() -> None:
     queue = _CTX.Queue()
     procs = [
         start(attention_worker, make_config("attention", 0, port), plan, layers, queue),
-        start(slow_send_ffn_worker, make_config("ffn", 0, port), queue, 0.25),
+        start(ffn_worker, make_config("ffn", 0, port), queue, 0.0, 0.25),
     ]
     got = collect(queue, {"ffn0", "attention0"}, 45)
     _join_all(procs, 10)
@@ -858,8 +846,9 @@ def test_tcp_links_drop_strangers_and_wrong_tokens_then_carry_bytes_both_ways() 
 
 
 def test_tcp_links_on_a_wildcard_host_listen_everywhere_and_publish_the_host_name_address() -> None:
-    """With ``host: 0.0.0.0`` an FFN rank's data port listens on every interface (loopback included) and
-    publishes the address its host name resolves to, as gloo names its own; the pair forms through it."""
+    """With ``host: 0.0.0.0`` an FFN rank's data port listens on every interface and publishes the
+    address its host name resolves to, as gloo names its own; the pair forms through it. Reached on
+    127.0.0.2, which a port bound to 127.0.0.1 alone would refuse."""
     from afd_patches.connectors import sockets
 
     store, token, deadline = _DictStore(), b"w" * 32, time.monotonic() + 20
@@ -871,7 +860,7 @@ def test_tcp_links_on_a_wildcard_host_listen_everywhere_and_publish_the_host_nam
         time.sleep(0.01)
     info = json.loads(store.get(sockets.key(0)))
     assert info["host"] == socket.gethostbyname(socket.gethostname())
-    with socket.create_connection(("127.0.0.1", info["port"]), timeout=5) as s:  # a stranger on loopback
+    with socket.create_connection(("127.0.0.2", info["port"]), timeout=5) as s:  # a stranger, another address
         s.sendall(b"\0" * sockets.HELLO.size)
         assert s.recv(64) == b""  # reached the port, and dropped
     attention = sockets.SocketLinks.form(False, 1, [0], store, "0.0.0.0", token, deadline, lambda: False, 5.0)
