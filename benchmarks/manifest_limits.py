@@ -9,8 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from patchkit import manifest
-from patchkit.errors import ManifestError
+from patchkit import ManifestError, manifest
 
 HEAD = 'format: 1\nplugin: big\npackages: [plug]\nvllm: {version: "==0.32.0"}\npatches:\n'
 

@@ -27,7 +27,7 @@ import os
 import threading
 import typing
 
-from patchkit.errors import ManifestError, PatchError, PatchkitError, UnsupportedRelease
+from patchkit.plan import ManifestError, PatchError, PatchkitError, UnsupportedRelease
 
 if typing.TYPE_CHECKING:
     from pathlib import Path

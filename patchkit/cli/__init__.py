@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from patchkit.errors import ManifestError, PatchkitError
+from patchkit.plan import ManifestError, PatchkitError
 
 
 def _manifest_paths(paths: list[str]) -> list[Path]:

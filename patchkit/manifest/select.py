@@ -17,8 +17,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from patchkit.errors import ManifestError, UnsupportedRelease
-from patchkit.plan import Compiled, Entry, Manifest, Runtime, override_key
+from patchkit.plan import Compiled, Entry, Manifest, ManifestError, Runtime, UnsupportedRelease, override_key
 
 
 def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:

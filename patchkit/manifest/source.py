@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from patchkit.errors import ManifestError
 from patchkit.manifest.problems import FieldPath, Problem, field_name
+from patchkit.plan import ManifestError
 
 _MAX_NODES = 100_000  # values after expanding aliases
 _MAX_COMPOSED = 20_000  # nodes in the text itself (a shipped manifest has a few hundred)

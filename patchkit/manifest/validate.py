@@ -22,9 +22,8 @@ import pathlib
 from functools import cache
 from typing import Any
 
-from patchkit.errors import ManifestError
 from patchkit.manifest.problems import FieldPath, Problem, field_name
-from patchkit.plan import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
+from patchkit.plan import WORKERS_ENTRY_ID, Entry, Manifest, ManifestError, ModelRegistration
 from patchkit.runtime.cache import schema_path
 
 MAX_FILE_BYTES = 256 * 1024

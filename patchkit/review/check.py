@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from patchkit.errors import ManifestError
-from patchkit.plan import Entry, Manifest
+from patchkit.plan import Entry, Manifest, ManifestError
 from patchkit.review.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
 
 FORMATS = ("text", "markdown", "json")

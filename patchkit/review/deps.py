@@ -346,7 +346,7 @@ def run_deps(manifest_path: str, vllm_src: str, src: str | None = None, fmt: str
     import importlib.util
 
     from patchkit import manifest as manifest_mod
-    from patchkit.errors import ManifestError
+    from patchkit.plan import ManifestError
     from patchkit.review.static import TreeError, open_tree
 
     try:

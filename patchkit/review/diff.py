@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from patchkit import fingerprint, manifest
-from patchkit.errors import ManifestError
 from patchkit.manifest.select import order
-from patchkit.plan import WORKERS_ENTRY_ID, Entry, Manifest, ModelRegistration
+from patchkit.plan import WORKERS_ENTRY_ID, Entry, Manifest, ManifestError, ModelRegistration
 
 FORMATS = ("text", "markdown", "json")
 _ENTRY_FIELDS = ("target", "op", "with", "value", "when", "after", "fingerprint", "rebind", "on_drift",

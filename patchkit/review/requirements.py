@@ -124,7 +124,7 @@ def _with_requirements(planned: Manifest) -> Manifest:
     import logging
 
     from patchkit import manifest
-    from patchkit.errors import ManifestError
+    from patchkit.plan import ManifestError
 
     log = logging.getLogger("patchkit")
     try:

@@ -64,8 +64,7 @@ from typing import Any
 import yaml
 
 from patchkit import manifest as manifest_mod
-from patchkit.errors import ManifestError, PatchkitError
-from patchkit.plan import WORKERS_ENTRY_ID, Manifest, normalize_commit
+from patchkit.plan import WORKERS_ENTRY_ID, Manifest, ManifestError, PatchkitError, normalize_commit
 from patchkit.review.check import EntryCheck, check_entries
 from patchkit.review.static import SourceTree, TreeError, open_tree
 

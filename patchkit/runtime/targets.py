@@ -27,6 +27,7 @@ swap — a closure, a default argument, a subclass that overrides the method, a
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import sys
@@ -34,7 +35,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from patchkit.plan import MISSING, override_key
-from patchkit.runtime.imports import import_ref
 
 if TYPE_CHECKING:
     from patchkit.plan import Entry, Runtime
@@ -184,7 +184,7 @@ def new_object(entry: Entry, func: Any, marker: tuple[str, str], runtime: Runtim
         try:
             spec = entry.workers or {}
             verdicts = [static.get(override_key(entry.id, i)) for i in range(len(spec["overrides"]))]
-            factory = vllm_adapter.worker_wrapper(spec, runtime, verdicts)
+            factory = vllm_adapter.worker_wrapper(import_ref(spec["role_of"]), spec["overrides"], runtime, verdicts)
         except Exception as exc:  # noqa: BLE001 - reported as this entry's failure
             raise EntryFailed(f"cannot build worker override: {exc!r}") from None
         return make_wrapper(factory, func, marker)
@@ -263,3 +263,12 @@ def _compare(expected: str, actual: str | None) -> str:
     from patchkit import fingerprint
 
     return fingerprint.compare(expected, actual)
+
+
+def import_ref(ref: str) -> Any:
+    """Import ``module:qualname`` and return the object (used for callables named by a manifest)."""
+    module_name, _, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -19,7 +19,6 @@ from types import ModuleType
 from typing import Any
 
 from patchkit.plan import Runtime, runtime_verdict
-from patchkit.runtime.imports import import_ref
 
 logger = logging.getLogger("patchkit")
 
@@ -43,13 +42,13 @@ def worker_cls_name(ref: str) -> str:
     return ref.replace(":", ".")
 
 
-def worker_wrapper(spec: dict[str, Any], runtime: Runtime, static: list[str | None]) -> Callable[..., Any]:
+def worker_wrapper(role_of: Callable[[Any], str | None], overrides: list[dict[str, Any]], runtime: Runtime,
+                   static: list[str | None]) -> Callable[..., Any]:
     """Wrapper for ``EngineArgs.create_engine_config`` that applies the role → worker table.
 
+    ``role_of(config)``: the plugin's function (the manifest's ``role_of``) naming the role, or None.
     ``static[i]``: why override ``i``'s static guards (vLLM, commit, Python) fail, or None; decided
     when the plan was compiled. Its platform/env guards are decided here, at config time."""
-    role_of = import_ref(spec["role_of"])
-    overrides = spec["overrides"]
 
     def choose(role: str) -> str:
         for o, static_reason in zip(overrides, static, strict=True):

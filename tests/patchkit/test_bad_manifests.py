@@ -25,11 +25,10 @@ from typing import Any
 import pytest
 
 import patchkit
-from patchkit import cli, manifest, plan
-from patchkit.errors import ManifestError
+from patchkit import ManifestError, cli, manifest, plan
 from patchkit.manifest.problems import Problem
 from patchkit.plan import Runtime
-from patchkit.runtime.imports import pending as pending_imports
+from patchkit.runtime.engine import pending as pending_imports
 
 PLUGIN = "victimplugin"
 

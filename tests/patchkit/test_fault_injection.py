@@ -28,7 +28,7 @@ from patchkit import fingerprint, manifest
 from patchkit.manifest import select as selection
 from patchkit.plan import Runtime
 from patchkit.runtime import engine
-from patchkit.runtime.imports import pending as pending_imports
+from patchkit.runtime.engine import pending as pending_imports
 from patchkit.runtime.targets import Slot, unwrap_descriptor
 from tests.support.env import REPO
 

@@ -20,7 +20,7 @@ from patchkit.manifest.validate import _find_cycle
 from tests.support.manifests import header
 
 PACKAGE = Path(__file__).resolve().parents[2] / "patchkit"
-BASICS = {"patchkit.errors", "patchkit.plan", "patchkit.fingerprint"}
+BASICS = {"patchkit.plan", "patchkit.fingerprint"}
 LAYERS = ["basics", "runtime", "manifest", "review", "top"]
 
 
@@ -92,8 +92,7 @@ def test_an_upward_import_is_caught(tmp_path):
     assert deps == {"patchkit.cli"} and layer("patchkit.cli") > layer("patchkit.runtime.engine")
 
 
-WARM_PATH = {"patchkit", "patchkit.errors", "patchkit.plan", "patchkit.runtime", "patchkit.runtime.cache",
-             "patchkit.runtime.imports", "patchkit.runtime.engine"}
+WARM_PATH = {"patchkit", "patchkit.plan", "patchkit.runtime", "patchkit.runtime.cache", "patchkit.runtime.engine"}
 PROBE = """
 import json, sys
 import patchkit
@@ -126,5 +125,5 @@ def test_the_hook_loads_only_the_warm_path(tmp_path):
     assert warm.returncode == 0, warm.stderr
     loaded = set(__import__("json").loads(warm.stdout))
     patchkit_modules = {m for m in loaded if m.startswith("patchkit")}
-    assert patchkit_modules == WARM_PATH - {"patchkit", "patchkit.errors", "patchkit.plan"}
+    assert patchkit_modules == WARM_PATH - {"patchkit", "patchkit.plan"}
     assert not loaded & {"yaml", "jsonschema", "packaging", "packaging.specifiers"}, loaded

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit import fingerprint, manifest
-from patchkit.errors import ManifestError
+from patchkit import ManifestError, fingerprint, manifest
 from patchkit.review import requirements
 from patchkit.review.check import run_check
 from patchkit.review.diff import diff_manifests, render

@@ -23,8 +23,7 @@ import pytest
 
 import afd_patches
 import patchkit
-from patchkit import manifest
-from patchkit.errors import ManifestError
+from patchkit import ManifestError, manifest
 from patchkit.plan import Runtime
 from patchkit.runtime.cache import cache_dir
 from tests.support.env import REPO

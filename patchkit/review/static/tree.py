@@ -32,7 +32,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from patchkit.errors import PatchkitError
+from patchkit.plan import PatchkitError
 
 PACKAGE = "vllm"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
