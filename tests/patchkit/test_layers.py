@@ -1,6 +1,6 @@
 """patchkit's layers: imports go one way and never in a circle.
 
-Layers, lowest first: the shared basics (``errors``, ``plan``, ``fingerprint``),
+Layers, lowest first: the shared basics (``plan``, with the error types, and ``fingerprint``),
 ``runtime`` (runs in every vLLM process), ``manifest`` (YAML, validation,
 selection), ``review`` (reads a vLLM tree without importing it), and on top the
 CLI and the package root (the public API). A module may import its own
