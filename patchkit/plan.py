@@ -66,7 +66,6 @@ class UnsupportedRelease(PatchkitError):
 
 # -- records -------------------------------------------------------------------------------------
 
-
 class Record:
     """An immutable record with named fields, for the data the plugin hook reads in every process.
 

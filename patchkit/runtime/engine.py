@@ -164,7 +164,7 @@ class Run:
                 raise self.error
         self._changed()
 
-    def _hook(self, module: str, callback: Callable[[ModuleType], None]) -> None:
+    def _hook(self, module: str, callback: ImportCallback) -> None:
         self._callbacks.append(callback)
         when_imported(module, callback)
 
