@@ -1,2 +1,2 @@
 """Rerunnable scripts behind the README's figures; run each from the repository root as
-``python -m benchmarks.NAME`` (so ``tests.support`` is importable without path edits)."""
+``python -m benchmarks.NAME`` (so ``harness`` is importable without path edits)."""

@@ -31,9 +31,9 @@ from pathlib import Path
 import psutil
 
 from benchmarks.afd_server_load import Deployment, Server, bring_up, load
-from tests.support.env import REPO, vllm_env
-from tests.support.tiny_model import build
-from tests.support.tiny_tokenizer import build_tokenizer
+from harness.env import REPO, vllm_env
+from harness.tiny_model import build
+from harness.tiny_tokenizer import build_tokenizer
 
 Sample = dict[tuple[int, int], tuple[str, int, int]]  # (pid, tid) -> (comm, cpu ns, voluntary switches)
 

@@ -47,9 +47,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from tests.support.env import REPO, free_port, vllm_env
-from tests.support.tiny_model import build
-from tests.support.tiny_tokenizer import build_tokenizer
+from harness.env import REPO, free_port, vllm_env
+from harness.tiny_model import build
+from harness.tiny_tokenizer import build_tokenizer
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 400.0

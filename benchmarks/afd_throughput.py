@@ -1,6 +1,6 @@
 """Decode throughput of 1A1F AFD vs plain vLLM on the tiny model, side by side in one run.
 
-Each engine runs in its own process (tests/support/engine.py), FFN first; the
+Each engine runs in its own process (harness/engine.py), FFN first; the
 same prompts, greedy, ``ignore_eos``. Decode tokens/s = generated tokens /
 generation wall time. The connector's own per-layer exchange latency is
 measured by ``benchmarks/connector_latency.py``.
@@ -14,9 +14,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from tests.support.engine import ARCH, run_engines
-from tests.support.env import free_port
-from tests.support.tiny_model import build
+from harness.engine import ARCH, run_engines
+from harness.env import free_port
+from harness.tiny_model import build
 
 
 def main() -> None:

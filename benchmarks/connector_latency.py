@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from tests.support.env import free_port
+from harness.env import free_port
 
 
 def _use(src: str | None) -> None:

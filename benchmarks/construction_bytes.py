@@ -1,9 +1,9 @@
 """Bytes allocated while each AFD role builds its model, vs plain vLLM, per architecture (a Markdown table).
 
-For each architecture the FFN-heavy tiny checkpoint (``tests/support/tiny_model.py
+For each architecture the FFN-heavy tiny checkpoint (``harness/tiny_model.py
 --wide``: MLP/experts over 90 % of the parameters) is built, then plain vLLM,
 the attention role and the FFN role construct the model in this process with
-vLLM's own loader under an allocation counter (``tests/support/construction_bytes.py``
+vLLM's own loader under an allocation counter (``harness/construction_bytes.py``
 says how bytes are counted). No weights are loaded, no engine is started.
 
     python -m benchmarks.construction_bytes [--family llama ...]
@@ -15,9 +15,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from tests.support.construction_bytes import measure
-from tests.support.engine import ARCH
-from tests.support.tiny_model import build
+from harness.construction_bytes import measure
+from harness.engine import ARCH
+from harness.tiny_model import build
 
 
 def _kib(n: int) -> str:

@@ -19,7 +19,7 @@ import threading
 import time
 
 from afd_patches.connectors import handshake
-from tests.support.env import free_port
+from harness.env import free_port
 
 TOKEN = b"benchmark-token-0123456789abcdef"
 FIELDS = {"num_attention_ranks": 1, "num_ffn_ranks": 1, "backend": "gloo", "inline_bytes": 65536,

@@ -15,9 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.support.engine import ARCH, PROMPTS, EngineFailed, run_engines
-from tests.support.env import free_port
-from tests.support.tiny_model import build
+from harness.engine import ARCH, PROMPTS, EngineFailed, run_engines
+from harness.env import free_port
+from harness.tiny_model import build
 
 
 def main() -> int:

@@ -383,7 +383,7 @@ class FfnRoleMixin(_RoleBase):
         watchdog stops the server (unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`` is set), so no
         process is left. A clean end (``ConnectorClosed``: every attention engine shut down) and
         ``shutdown()`` stop nothing. Limits: while an ``afd_wait()`` caller waits (the offline FFN
-        of tests/support/engine.py) the error is left to it, so that caller reports it and exits; an
+        of harness/engine.py) the error is left to it, so that caller reports it and exits; an
         error before any ``afd_wait()`` call (a handshake that fails during engine start) stops
         a multiprocess engine and a late caller sees vLLM's engine-dead error instead of the AFD
         one (the log keeps the ``AFD FFN serve loop stopped`` line). The handshake is bounded by ``timeout_s``,

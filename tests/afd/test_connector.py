@@ -35,7 +35,7 @@ from afd_patches.connectors.torch_dist import (
     decode_header,
     encode_header,
 )
-from tests.support.env import free_port
+from harness.env import free_port
 
 HIDDEN = 16
 SLACK_S = 3.0  # scheduling slack on a busy 2-core machine

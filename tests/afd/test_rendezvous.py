@@ -22,6 +22,7 @@ from afd_patches.config import AfdConfig
 from afd_patches.connectors import auth, handshake
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.connectors.torch_dist import DTYPE_CODES, HEADER_LEN, KIND_DATA, MAGIC, Header, TorchDistConnector
+from harness.env import free_port
 from tests.afd.test_connector import (
     _CTX,
     HIDDEN,
@@ -33,7 +34,6 @@ from tests.afd.test_connector import (
     start,
 )
 from tests.support import afd_probe
-from tests.support.env import free_port
 
 FFN_HOST = "127.0.0.2"
 TOKEN = "test-only-rendezvous-token-0123456789abcdef"  # a constant: forkserver children re-import this module

@@ -1,4 +1,4 @@
-"""Real-vLLM fixtures: tiny checkpoints built here (tests/support/tiny_model.py).
+"""Real-vLLM fixtures: tiny checkpoints built here (harness/tiny_model.py).
 
 These tests need vLLM (the CPU build) importable. They do not skip when it is
 missing: they fail, loudly, because a green run without vLLM would prove nothing.
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine import Generation, generate
-from tests.support.env import REPO
+from harness.engine import Generation, generate
+from harness.env import REPO
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,7 @@ def tiny_llama() -> Path:
         import vllm  # noqa: F401
     except ImportError as exc:  # pragma: no cover - must fail, not skip
         pytest.fail(f"real-vLLM tests need vLLM installed (see README): {exc}")
-    from tests.support.tiny_model import build
+    from harness.tiny_model import build
 
     return build(REPO / ".cache" / "models" / "tiny-llama", "llama")
 
@@ -28,8 +28,8 @@ def tiny_llama() -> Path:
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny float32 Llama with a tiny word-level tokenizer, for the OpenAI-server tests."""
-    from tests.support.tiny_model import build
-    from tests.support.tiny_tokenizer import build_tokenizer
+    from harness.tiny_model import build
+    from harness.tiny_tokenizer import build_tokenizer
 
     path = build(tmp_path_factory.mktemp("afd-server") / "tiny-llama", "llama")
     return build_tokenizer(path, vocab_size=512)

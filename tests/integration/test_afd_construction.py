@@ -1,6 +1,6 @@
 """Bytes allocated while each AFD role builds its model, on real vLLM, for every AFD architecture.
 
-One subprocess (``tests/support/construction_bytes.py``) builds, for each family, the
+One subprocess (``harness/construction_bytes.py``) builds, for each family, the
 FFN-heavy tiny checkpoint's model three times with vLLM's own loader and config
 objects -- plain, attention role, FFN role -- each under a ``TorchDispatchMode``
 allocation counter (all devices), without loading weights or starting an engine.
@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.engine import ARCH
-from tests.support.env import REPO, vllm_env
-from tests.support.tiny_model import build
+from harness.engine import ARCH
+from harness.env import REPO, vllm_env
+from harness.tiny_model import build
 
 pytestmark = pytest.mark.vllm
 
@@ -34,7 +34,7 @@ SLACK = 1.05
 def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
     work = tmp_path_factory.mktemp("afd-construction")
     models = [f"{family}={build(work / family, family, wide=True)}" for family in ARCH]
-    proc = subprocess.run([sys.executable, "-m", "tests.support.construction_bytes", *models],
+    proc = subprocess.run([sys.executable, "-m", "harness.construction_bytes", *models],
                           env=vllm_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.engine import (
+from harness.engine import (
     ARCH,
     ENGINE_TIMEOUT_S,
     Engine,
@@ -35,8 +35,8 @@ from tests.support.engine import (
     start,
     tail,
 )
-from tests.support.env import free_port
-from tests.support.tiny_model import build
+from harness.env import free_port
+from harness.tiny_model import build
 
 pytestmark = pytest.mark.vllm
 
@@ -48,7 +48,7 @@ ABS_TOL = 0.0  # token-exact: float32 on CPU gives bit-identical logprobs
 
 
 def _build_model(path: Path, family: str) -> Path:
-    """A tiny random float32 checkpoint (hidden 64, 2 layers, vocab 512, std 0.2; see tests/support/tiny_model.py).
+    """A tiny random float32 checkpoint (hidden 64, 2 layers, vocab 512, std 0.2; see harness/tiny_model.py).
 
     deepseek_v2: layer 0 dense, layer 1 MoE with a shared expert, MLA attention (vLLM's CPU_MLA backend).
     """

@@ -32,6 +32,8 @@ from typing import Any
 
 import pytest
 
+from harness.engine import tail
+from harness.env import REPO, free_port
 from tests.integration.test_afd_server import (
     HOST,
     MAX_TOKENS,
@@ -47,8 +49,6 @@ from tests.integration.test_afd_server import (
     _wait_healthy,
 )
 from tests.support import afd_probe
-from tests.support.engine import tail
-from tests.support.env import REPO, free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -7,7 +7,7 @@
    (the FFN one also with ``--additional-config``, to show both forms combine). One greedy
    ``/v1/completions`` request (token-id prompt, ``return_tokens_as_token_ids``) to the
    attention server must give the same token ids and top-5 logprobs as plain offline vLLM
-   (tests/support/engine.py) on the same checkpoint.
+   (harness/engine.py) on the same checkpoint.
 3. The same pair, the attention server's process group SIGKILLed once both are healthy: the FFN
    server stops by itself within a bound (its serve loop's error stops its engine core, and the API
    server exits on the dead engine), logs the lost attention rank, and leaves no process behind.
@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.engine import group_members, tail
-from tests.support.env import REPO, free_port, vllm_env
+from harness.engine import group_members, tail
+from harness.env import REPO, free_port, vllm_env
 
 pytestmark = pytest.mark.vllm
 

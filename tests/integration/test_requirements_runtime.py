@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.engine import generate
+from harness.env import vllm_env
 from tests.support.drift_injection import DRIFTS, drifted_copy
-from tests.support.engine import generate
-from tests.support.env import vllm_env
 
 pytestmark = pytest.mark.vllm
 

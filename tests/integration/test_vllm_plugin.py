@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine import generate
-from tests.support.env import REPO, vllm_env
+from harness.engine import generate
+from harness.env import REPO, vllm_env
 
 pytestmark = pytest.mark.vllm
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.env import REPO
 from patchkit.cli import main
 from patchkit.review.deps import run_deps
 from tests.patchkit.test_retarget import _wheel
-from tests.support.env import REPO
 
 MANIFESTS = REPO / "manifests" / "afd"
 RELEASES = ["0.28", "0.29", "0.30", "0.31", "0.32", "0.33"]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+from harness.env import REPO
 from patchkit.cli import main
 from patchkit.manifest import registered_manifest_dirs
 from patchkit.review.docs import render, run_docs
-from tests.support.env import REPO
 
 
 def test_committed_patches_md_is_current():

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from harness.env import REPO
 from patchkit.review.check import run_check
 from scripts import drift_lane
 from tests.patchkit.test_retarget import _wheel
 from tests.support.drift_injection import DRIFTS, drifted_copy
-from tests.support.env import REPO
 
 M033 = REPO / "manifests" / "afd" / "vllm-0.33.yaml"
 

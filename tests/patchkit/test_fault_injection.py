@@ -24,13 +24,13 @@ import pytest
 import yaml
 
 import patchkit
+from harness.env import REPO
 from patchkit import fingerprint, manifest
 from patchkit.manifest import select as selection
 from patchkit.plan import Runtime
 from patchkit.runtime import engine
 from patchkit.runtime.engine import pending as pending_imports
 from patchkit.runtime.targets import Slot, unwrap_descriptor
-from tests.support.env import REPO
 
 REAL = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
 PLUGIN = "fkafd"

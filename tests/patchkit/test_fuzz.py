@@ -37,11 +37,11 @@ from hypothesis import strategies as st
 
 import patchkit
 from afd_patches import config as afd_config
+from harness.env import REPO
 from patchkit import ManifestError, manifest
 from patchkit.plan import Manifest, Runtime
 from patchkit.runtime import engine
 from patchkit.runtime.engine import pending as pending_imports
-from tests.support.env import REPO
 
 REAL_MANIFESTS = sorted((REPO / "manifests" / "afd").glob("*.yaml"))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.env import REPO
 from patchkit import ManifestError, fingerprint, manifest
 from patchkit.review import requirements
 from patchkit.review.check import run_check
@@ -19,7 +20,6 @@ from patchkit.review.diff import diff_manifests, render
 from patchkit.review.retarget import retarget_text
 from patchkit.review.static import open_tree
 from tests.support.drift_injection import DRIFTS, drifted_copy
-from tests.support.env import REPO
 
 M032 = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
 FP = "ast1:0123456789abcdef:fedcba9876543210"

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.env import REPO
 from patchkit import fingerprint, manifest
 from patchkit.cli import main
 from patchkit.review.check import run_check
 from patchkit.review.diff import diff_manifests
 from patchkit.review.retarget import normalize_commit, retarget_text, run_retarget, tree_commit
 from patchkit.review.static import open_tree
-from tests.support.env import REPO
 
 BASE = {
     "vllm/__init__.py": "",

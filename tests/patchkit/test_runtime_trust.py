@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 
 import patchkit
+from harness.env import REPO
 from patchkit import ManifestError, manifest
 from patchkit.plan import Runtime
 from patchkit.runtime import engine, rebind, targets
-from tests.support.env import REPO
 from tests.support.manifests import header
 
 NOBODY = 65534

@@ -23,10 +23,10 @@ import pytest
 
 import afd_patches
 import patchkit
+from harness.env import REPO
 from patchkit import ManifestError, manifest
 from patchkit.plan import Runtime
 from patchkit.runtime.cache import cache_dir
-from tests.support.env import REPO
 from tests.support.manifests import header
 
 SENTINEL = "pksentinel"

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.env import REPO
 from patchkit import manifest
 from patchkit.cli import main
 from patchkit.review.diff import diff_manifests, render, run_diff, run_git_driver
-from tests.support.env import REPO
 
 FP1 = "ast1:1111111111111111:2222222222222222"
 FP2 = "ast1:1111111111111111:3333333333333333"

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.env import REPO
 from patchkit import fingerprint
 from patchkit.cli import main
 from patchkit.review.check import run_check
 from patchkit.review.static import Resolver, TreeError, open_tree
-from tests.support.env import REPO
 from tests.support.import_scan import imports_from_ast, imports_from_text
 
 COMMON = {

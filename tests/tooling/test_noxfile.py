@@ -7,7 +7,7 @@ import ast
 import subprocess
 import sys
 
-from tests.support.env import REPO
+from harness.env import REPO
 
 
 def smoke_ids() -> list[str]:

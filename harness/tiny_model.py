@@ -3,7 +3,7 @@
 Weights are drawn with a large std (0.2) so greedy tokens are decisive: vLLM's
 'dummy' weights give near-uniform logits, which makes token comparisons fragile.
 
-    python -m tests.support.tiny_model OUT_DIR [--arch llama|qwen3|qwen3_moe|deepseek_v2] [--seed 0]
+    python -m harness.tiny_model OUT_DIR [--arch llama|qwen3|qwen3_moe|deepseek_v2] [--seed 0]
 
 ``deepseek_v2``: layer 0 dense MLP, layer 1 MoE (4 routed experts, top-2, one
 shared expert), MLA attention with ``kv_lora_rank`` 512 and ``qk_rope_head_dim``

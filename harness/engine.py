@@ -5,7 +5,7 @@ Every run, plain or AFD, builds ``LLM(**engine_kwargs(spec))``: ``enforce_eager=
 64 MiB KV cache, ``max_num_seqs=8``; sampling is greedy (temperature 0, ``ignore_eos``) with
 top-``logprobs`` logprobs, reported as vLLM returns them (no rounding).
 
-As a module run in its own process: ``python -m tests.support.engine SPEC.json`` (``cwd`` the
+As a module run in its own process: ``python -m harness.engine SPEC.json`` (``cwd`` the
 repository root). SPEC keys: ``mode`` (plain | attention | ffn), ``model``, ``prompts``
 (token-id lists), ``max_tokens``, ``logprobs``, ``out`` (result JSON path); for the AFD
 roles ``arch`` (the AFD architecture) and ``afd`` (the ``additional_config["afd"]`` mapping);
@@ -16,7 +16,7 @@ end, engine core, worker; default off: one process), ``env`` (extra environment 
 true; false for an idle attention rank), ``done_flag`` (a file created once generation is
 done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
 keep an idle rank up while a busy one works). Writes ``{"tokens", "logprobs", "stats",
-"seconds", "worker_cls"}``. Each engine process runs in ``tests.support.env.vllm_env`` with
+"seconds", "worker_cls"}``. Each engine process runs in ``harness.env.vllm_env`` with
 thread binding off (``VLLM_CPU_OMP_THREADS_BIND=nobind``) and ``cwd`` the repository root.
 
 From the tests: ``run_engines(specs, workdir)`` starts one process per spec, in order (FFN
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.env import REPO, vllm_env
+from harness.env import REPO, vllm_env
 
 ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3": "AFDQwen3ForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM",
         "deepseek_v2": "AFDDeepseekV2ForCausalLM"}
@@ -82,7 +82,7 @@ def start(spec: dict[str, Any], workdir: Path) -> Engine:
     if not spec.get("multiprocessing", False):
         extra.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.support.engine", str(spec_path)], env=vllm_env(**extra),
+        proc = subprocess.Popen([sys.executable, "-m", "harness.engine", str(spec_path)], env=vllm_env(**extra),
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     return proc, log, Path(spec["out"])
 

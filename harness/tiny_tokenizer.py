@@ -4,7 +4,7 @@ The vocabulary is ``<unk>``, ``<s>``, ``</s>`` (ids 0, 1, 2: the Llama config's 
 and ``t3`` … ``t{vocab_size-1}``; text is split on whitespace, so ``"t5 t17"`` is ``[5, 17]``
 and any token id decodes to a readable word. Nothing is downloaded (built with ``tokenizers``).
 
-    python -m tests.support.tiny_tokenizer MODEL_DIR [--vocab-size 512]
+    python -m harness.tiny_tokenizer MODEL_DIR [--vocab-size 512]
 
 Limits: a test fixture, not a language tokenizer — unknown words map to ``<unk>``; no chat template.
 """

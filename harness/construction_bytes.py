@@ -18,7 +18,7 @@ seen; those are tiny at construction time. vLLM's rotary-embedding cache is
 shared across builds in one process, so it is cleared before each build (each
 build then pays for its own).
 
-    python -m tests.support.construction_bytes FAMILY=MODEL_DIR... [--role plain --role attention --role ffn]
+    python -m harness.construction_bytes FAMILY=MODEL_DIR... [--role plain --role attention --role ffn]
 
 prints one ``RESULT {json}`` line per model and role (plain is always built: it is the reference).
 """
@@ -36,8 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tests.support.engine import ARCH
-from tests.support.env import free_port
+from harness.engine import ARCH
+from harness.env import free_port
 
 ROLES = ("plain", "attention", "ffn")
 _FFN_PARAM = re.compile(r"(^|\.)layers\.\d+\.mlp\.")

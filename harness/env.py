@@ -5,7 +5,7 @@ the checkout (``.cache/vllm``; vLLM writes its model-inspection cache atomically
 started side by side may share it). Variables that would steer patchkit or switch plugins off
 (``PATCHKIT_*``, ``VLLM_PLUGINS``) are dropped from the inherited environment; a caller that
 wants them passes them in ``extra``. Thread binding is left to vLLM (``auto``) here; the
-engine driver (``tests.support.engine``) switches it off for its engines.
+engine driver (``harness.engine``) switches it off for its engines.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import socket
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -25,7 +25,7 @@ BASE_ENV = {
 def vllm_env(**extra: str) -> dict[str, str]:
     """The inherited environment without ``PATCHKIT_*``/``VLLM_PLUGINS``, plus ``BASE_ENV``, plus ``extra``.
 
-    Drivers run as ``python -m tests.support.NAME`` with ``cwd=REPO`` (``-m`` puts the
+    Drivers run as ``python -m harness.NAME`` with ``cwd=REPO`` (``-m`` puts the
     working directory first on ``sys.path``), so nothing here edits ``PYTHONPATH``.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PATCHKIT_", "VLLM_PLUGINS"))}

@@ -1,0 +1,11 @@
+"""What the tests, the demo and the benchmarks share to run a real vLLM; nothing here is a test.
+
+- ``env``: ``REPO``, the one environment of real-vLLM subprocesses (``vllm_env``), ``free_port``.
+- ``engine``: the one vLLM driver (``run_engines``, ``generate``, ``start``/``kill``); run as
+  ``python -m harness.engine SPEC.json`` from the repository root.
+- ``tiny_model``, ``tiny_tokenizer``: random-weight checkpoints and a word-level tokenizer.
+- ``construction_bytes``: bytes allocated while vLLM builds a model, per AFD role.
+
+Not part of the wheel (``pyproject.toml`` ships ``patchkit`` and ``afd_patches`` only); importable
+from the repository root, as the tests, ``scripts/demo.py`` and ``python -m benchmarks.NAME`` run.
+"""
