@@ -13,6 +13,7 @@ config.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -22,7 +23,6 @@ from typing import Any
 from afd_patches import CONFIG_KEY, AfdConfigError, config_schema
 
 ALIASES = {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
-SCHEDULES = ("batched", "pingpong")  # connector_extra_config["schedule"]; the first is the default
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,14 @@ class AfdConfig:
 
     @property
     def schedule(self) -> str:
-        """``connector_extra_config["schedule"]``: how an FFN rank serves its attention ranks (``SCHEDULES``).
+        """``connector_extra_config["schedule"]``: how an FFN rank serves its attention ranks
+        (``afd_patches.connectors.options.SCHEDULES``).
 
         ``batched`` (default): one FFN call per layer over every served rank, which
         needs idle attention ranks to send empty steps; ``pingpong``: each rank's
         layer is served as it arrives. ``parse`` and the connector reject other values.
         """
-        return str(self.connector_extra_config.get("schedule", SCHEDULES[0]))
+        return str(self.connector_extra_config.get("schedule", "batched"))
 
     def to_dict(self) -> dict[str, Any]:
         """The keys ``parse`` accepts again (an unset ``token_file`` is left out)."""
@@ -122,14 +123,22 @@ def _check_topology(cfg: AfdConfig) -> None:
 
 
 def _check_connector(cfg: AfdConfig) -> None:
-    from afd_patches.connectors import REGISTRY
+    """The connector must be known, and its ``connector_extra_config`` valid (the connector's own check)."""
+    from afd_patches.connectors import OPTIONS, REGISTRY
 
     if cfg.connector not in REGISTRY:
         raise _fail("connector", f"unknown connector {cfg.connector!r} (known: {', '.join(sorted(REGISTRY))})")
+    module, _, name = OPTIONS[cfg.connector].partition(":")
+    try:
+        getattr(importlib.import_module(module), name).parse(cfg.connector_extra_config)
+    except ValueError as e:
+        key, _, why = str(e).partition(": ")
+        raise _fail("connector_extra_config", why, key) from None
 
 
 def _check_auth(cfg: AfdConfig) -> None:
-    """The token must be readable where set, and present unless ``host`` is loopback (see ``connectors.auth``)."""
+    """The token must be readable where set and strong, and present unless ``host`` is loopback (see
+    ``connectors.auth``); the host is resolved once here, and that address is what the policy judges."""
     from afd_patches.connectors import auth
 
     try:
@@ -137,7 +146,11 @@ def _check_auth(cfg: AfdConfig) -> None:
     except auth.TokenError as e:
         raise _fail("token_file", str(e)) from None
     try:
-        auth.check_policy(cfg.host, token, cfg.allow_unauthenticated)
+        address = auth.resolve(cfg.host)
+    except (OSError, UnicodeError) as e:
+        raise _fail("host", f"{cfg.host!r} does not resolve to an address ({e})") from None
+    try:
+        auth.check_policy(address, token, cfg.allow_unauthenticated)
     except auth.TokenError as e:
         raise _fail("host", str(e)) from None
 

@@ -119,7 +119,7 @@ def bookkeeping_us(reps: int = 200_000) -> float:
     import timeit
 
     from afd_patches.config import AfdConfig
-    from afd_patches.connectors.metrics import METRICS
+    from afd_patches.metrics import METRICS
     from afd_patches.connectors.torch_dist import KIND_DATA, Header, TorchDistConnector
 
     identity = {"hidden_size": 64, "dtype": "float32", "max_num_batched_tokens": 256}

@@ -1,24 +1,34 @@
-"""The AFD group's shared secret: where it comes from, when one is required, and the proofs.
+"""The AFD group's shared secret: where it comes from, when one is required, how strong it must be, and the keys
+derived from it.
 
 Token
     ``AFD_TOKEN`` (environment) or the file named by the config key
     ``token_file`` — never a command-line value, so it does not show in ``ps``.
     Both at once is an error (which one would win is not obvious to an
-    operator). At least ``MIN_TOKEN_BYTES`` bytes after stripping surrounding
-    whitespace. A token file is opened without following a symlink and without
+    operator). A token file is opened without following a symlink and without
     blocking on a FIFO, and must be a regular file owned by the effective user
     with no group/other permission bits, at most ``MAX_TOKEN_FILE_BYTES``.
 
-Policy
-    Without a token the group may form only on a loopback ``host`` (every
-    address the name resolves to is loopback); any other host needs a token
-    unless ``allow_unauthenticated`` is set.
+Strength
+    A token must carry at least ``MIN_TOKEN_BITS`` bits by a generous estimate
+    (``estimated_bits``: its length times the bits of the smallest alphabet
+    its characters come from: hex digits, digits and letters, base64, printable
+    ASCII; a token that repeats a shorter piece counts as that piece). ``secrets.token_hex(16)``
+    passes; ``passwordpassword`` does not. The error says how to make one.
 
-Proofs
-    HMAC-SHA256 under the token over both sides' nonces, with a different
-    label per direction (a host proof cannot be replayed as a joiner proof), and
-    compared with ``hmac.compare_digest``. Without a token the key is empty: the
-    proofs then only check that both sides agree there is no token.
+Policy
+    Without a token the group may form only on a loopback ``host``; any other
+    host needs a token unless ``allow_unauthenticated`` is set. The host name is
+    resolved once (``resolve``) and that address is what is checked, bound and
+    connected to, so a name that resolves differently later cannot move the
+    group off loopback.
+
+Keys
+    ``session_key``: HMAC-SHA256 under the token over both nonces of one
+    session (``afd_patches.connectors.session``); ``group_key``: under the token
+    over the group's id (the records the group keeps in a ``TCPStore``). Without
+    a token the key is empty: the MACs then only check that nobody changed
+    bytes by accident, which is all a loopback-only group without a token gets.
 """
 
 from __future__ import annotations
@@ -27,17 +37,17 @@ import errno
 import hashlib
 import hmac
 import ipaddress
+import math
 import os
 import secrets
 import socket
 import stat
 
 TOKEN_ENV = "AFD_TOKEN"
-MIN_TOKEN_BYTES = 16
+MIN_TOKEN_BITS = 128
 MAX_TOKEN_FILE_BYTES = 4096
 NONCE_BYTES = 32
-HOST_LABEL = b"afd-host-proof\0"
-JOIN_LABEL = b"afd-join-proof\0"
+HOW_TO_MAKE = "make one with: python -c 'import secrets; print(secrets.token_hex(32))'"
 HOW_TO_SET = (f"set the same secret on every engine of the group, in the environment variable {TOKEN_ENV} "
               "or in a file named by the config key token_file (mode 0600)")
 
@@ -84,26 +94,51 @@ def load_token(token_file: str | None) -> bytes | None:
         token, source = env.strip().encode(), TOKEN_ENV
     else:
         return None
-    if len(token) < MIN_TOKEN_BYTES:
-        raise TokenError(f"{source}: the token has {len(token)} bytes, fewer than {MIN_TOKEN_BYTES} "
-                         "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
+    bits = estimated_bits(token)
+    if bits < MIN_TOKEN_BITS:
+        raise TokenError(f"{source}: the token carries about {bits} bits, fewer than {MIN_TOKEN_BITS}; {HOW_TO_MAKE}")
     return token
 
 
-def is_loopback(host: str) -> bool:
-    """True when every address ``host`` resolves to is a loopback address (``0.0.0.0``/``::`` are not)."""
+_ALPHABETS = (
+    (16, frozenset(b"0123456789abcdef")),
+    (16, frozenset(b"0123456789ABCDEF")),
+    (62, frozenset(b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")),
+    (64, frozenset(b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+/=-_")),
+    (95, frozenset(range(32, 127))),
+)
+
+
+def estimated_bits(token: bytes) -> int:
+    """Bits of ``token`` by a generous estimate (see "Strength"); 0 for an empty token."""
+    unit = token
+    for size in range(1, len(token) // 2 + 1):
+        if len(token) % size == 0 and token[:size] * (len(token) // size) == token:
+            unit = token[:size]
+            break
+    chars = set(unit)
+    alphabet = next((size for size, letters in _ALPHABETS if chars <= letters), 256)
+    return int(len(unit) * math.log2(alphabet)) if unit else 0
+
+
+def resolve(host: str) -> str:
+    """The address ``host`` names (the first ``getaddrinfo`` gives); ``OSError`` when it names none."""
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    return str(infos[0][4][0]).split("%", 1)[0]
+
+
+def is_loopback(address: str) -> bool:
+    """True when ``address`` (an IP address, see ``resolve``) is a loopback address (``0.0.0.0``/``::`` are not)."""
     try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError):
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
         return False
-    addrs = {info[4][0].split("%", 1)[0] for info in infos}
-    return bool(addrs) and all(ipaddress.ip_address(a).is_loopback for a in addrs)
 
 
-def check_policy(host: str, token: bytes | None, allow_unauthenticated: bool) -> None:
-    """``TokenError`` when ``host`` is not loopback, no token is set and unauthenticated use was not allowed."""
-    if token is None and not allow_unauthenticated and not is_loopback(host):
-        raise TokenError(f"host {host!r} is not a loopback address and no token is set: {HOW_TO_SET}; "
+def check_policy(address: str, token: bytes | None, allow_unauthenticated: bool) -> None:
+    """``TokenError`` when ``address`` is not loopback, no token is set and unauthenticated use was not allowed."""
+    if token is None and not allow_unauthenticated and not is_loopback(address):
+        raise TokenError(f"host {address} is not a loopback address and no token is set: {HOW_TO_SET}; "
                          "or set allow_unauthenticated: true to accept anyone who can reach the port")
 
 
@@ -111,11 +146,11 @@ def nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def proof(token: bytes | None, label: bytes, joiner_nonce: bytes, host_nonce: bytes) -> bytes:
-    """HMAC-SHA256 under ``token`` (empty key when ``None``) of ``label``, then both nonces."""
-    return hmac.new(token or b"", label + joiner_nonce + host_nonce, hashlib.sha256).digest()
+def session_key(token: bytes | None, joiner_nonce: bytes, host_nonce: bytes) -> bytes:
+    """The key of one session: HMAC-SHA256 under ``token`` (empty key when ``None``) of both nonces."""
+    return hmac.new(token or b"", b"afd-session\0" + joiner_nonce + host_nonce, hashlib.sha256).digest()
 
 
-def verify(token: bytes | None, label: bytes, joiner_nonce: bytes, host_nonce: bytes, given: bytes) -> bool:
-    """Constant-time check of a peer's proof."""
-    return hmac.compare_digest(proof(token, label, joiner_nonce, host_nonce), given)
+def group_key(token: bytes | None, group: str) -> bytes:
+    """The key of a group's store records: HMAC-SHA256 under ``token`` of the group's id."""
+    return hmac.new(token or b"", b"afd-group\0" + group.encode(), hashlib.sha256).digest()

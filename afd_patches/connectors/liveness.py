@@ -1,32 +1,25 @@
-"""Peer liveness for the AFD group, independent of the tensor backend.
+"""Peer liveness for AFD groups on gloo or NCCL, through MAC'd records in the group's store.
 
 Why
-    gloo notices a peer whose process ended (its socket closes), but not one
-    that is frozen; NCCL notices neither: a receive posted to a dead peer just
-    never completes, and torch's watchdog only acts after the group's timeout,
-    which on NCCL must cover a whole idle period (see ``torch_dist``). So every
-    rank of a group also beats a counter in the group's own ``TCPStore``.
+    gloo notices a peer whose process ended (its socket closes), but not one that is frozen; NCCL notices
+    neither: a receive posted to a dead peer just never completes. So every rank of such a group also
+    beats a record in the group's ``TCPStore``. (``backend: tcp`` needs none of this: its keep-alives
+    travel on the links themselves, see ``afd_patches.connectors.tcp``.)
 
 How
-    Each rank's ``Heartbeat`` thread adds 1 to ``afd/alive/<global rank>``
-    every ``interval_s`` (``timeout_s / 4``, between ``MIN_INTERVAL_S`` and
-    ``MAX_INTERVAL_S``) and reads its peers' counters. A peer whose counter did
-    not move for ``timeout_s`` is reported lost (``on_lost(peer, why)``), once.
-    A store that stops answering (every store operation is bounded by
-    ``timeout_s``) means its host, FFN rank 0, died or froze: that rank is
-    reported lost if it is watched, and the watch ends (other peers can no
-    longer be watched; they are not reported, since they may well be alive).
-    A rank that leaves cleanly adds ``CLOSED`` to its counter (``stop(clean=True)``);
-    a peer seen past that mark is forgotten, not reported.
+    Each rank's ``Heartbeat`` thread writes ``alive/<global rank>`` = its beat count every ``interval_s``
+    (``timeout_s / 4``, between ``MIN_INTERVAL_S`` and ``MAX_INTERVAL_S``) and reads its peers' records,
+    all through the group's ``MacStore``: a record written without the group's key does not verify and
+    counts as no beat (logged once per peer), so a stranger who writes ``closed`` or a fresh count into the
+    store cannot hide a frozen peer; at worst a stranger who overwrites records gets a live peer reported
+    lost (the group fails, as a lost peer does). A peer whose record did not change for ``timeout_s`` is
+    reported lost (``on_lost(peer, why)``), once. A store that stops answering means its host, FFN rank 0,
+    died or froze: that rank is reported lost if watched, and the watch ends. A rank that leaves cleanly
+    writes ``closed`` (``stop(clean=True)``); a peer seen with that record is forgotten, not reported.
 
 Limits
-    A peer counts as silent from when this rank last saw its counter move, so a
-    loss is reported between ``timeout_s - interval_s`` and ``timeout_s + 2 *
-    interval_s`` after the peer's last beat (a process that still runs but
-    whose Python threads are starved that long counts as lost). The store is unauthenticated,
-    like the rest of torch's rendezvous: a party that can reach it can fake
-    beats. Costs one thread and ``1 + len(peers)`` small store requests per
-    ``interval_s`` per rank.
+    A loss is reported between ``timeout_s - interval_s`` and ``timeout_s + 2 * interval_s`` after the peer's
+    last beat. Costs one thread and ``1 + 2 * len(peers)`` small store requests per ``interval_s`` per rank.
 """
 
 from __future__ import annotations
@@ -37,41 +30,40 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from afd_patches.connectors.torch_group import StoreTampered
+
 logger = logging.getLogger("afd")
 
 MIN_INTERVAL_S = 0.05
 MAX_INTERVAL_S = 1.0
-CLOSED = 1 << 48  # added to a counter by a rank that leaves cleanly
+CLOSED = b"closed"
 
 
 def key(rank: int) -> str:
-    """The store key holding ``rank``'s heartbeat counter."""
-    return f"afd/alive/{rank}"
+    """The store record holding ``rank``'s heartbeat."""
+    return f"alive/{rank}"
 
 
 def interval_for(timeout_s: float) -> float:
-    """Seconds between beats for a group whose peers count as lost after ``timeout_s`` of silence."""
+    """Seconds between beats (and keep-alives) for peers that count as lost after ``timeout_s`` of silence."""
     return min(max(timeout_s / 4, MIN_INTERVAL_S), MAX_INTERVAL_S)
 
 
 class Heartbeat:
-    """Beat for ``me`` and watch ``peers`` in ``store`` (any object with torch's ``Store.add``).
+    """Beat for ``me`` and watch ``peers`` in ``store`` (a ``MacStore``).
 
-    ``on_lost(peer, why)`` runs on the heartbeat thread, at most once per peer;
-    it must not block. ``store_name`` names the store in messages, ``store_rank``
-    is the rank whose process hosts it.
+    ``on_lost(peer, why)`` runs on the heartbeat thread, at most once per peer; it must not block.
+    ``store_name`` names the store in messages, ``store_rank`` is the rank whose process hosts it.
     """
 
     def __init__(self, store: Any, me: int, peers: list[int], timeout_s: float,
                  on_lost: Callable[[int, str], None], store_name: str, store_rank: int) -> None:
-        self.store = store
-        self.me = me
-        self.timeout_s = timeout_s
+        self.store, self.me, self.timeout_s = store, me, timeout_s
         self.interval_s = interval_for(timeout_s)
-        self.on_lost = on_lost
-        self.store_name = store_name
-        self.store_rank = store_rank
-        self._watched = {peer: (-1, time.monotonic()) for peer in peers}  # peer → (last count, when it moved)
+        self.on_lost, self.store_name, self.store_rank = on_lost, store_name, store_rank
+        self._count = 0
+        self._watched: dict[int, tuple[bytes, float]] = {peer: (b"", time.monotonic()) for peer in peers}
+        self._forged: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"afd-heartbeat-{me}", daemon=True)
 
@@ -86,7 +78,7 @@ class Heartbeat:
             self._thread.join(self.interval_s)  # a thread still in a store request ends on its own (daemon)
         if clean:
             try:
-                self.store.add(key(self.me), CLOSED)
+                self.store.set(key(self.me), CLOSED)
             except RuntimeError:
                 pass  # the store host is gone; nobody is left to tell
 
@@ -95,7 +87,8 @@ class Heartbeat:
         self._watched.pop(peer, None)
 
     def _beat(self) -> None:
-        self.store.add(key(self.me), 1)
+        self._count += 1
+        self.store.set(key(self.me), str(self._count).encode())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -117,15 +110,22 @@ class Heartbeat:
     def _check(self) -> None:
         now = time.monotonic()
         for peer, (last, moved_at) in list(self._watched.items()):
-            count = self.store.add(key(peer), 0)
-            if count >= CLOSED:
+            value = last
+            if self.store.check([key(peer)]):
+                try:
+                    value = self.store.get(key(peer))
+                except StoreTampered:
+                    if peer not in self._forged:
+                        self._forged.add(peer)
+                        logger.warning("AFD heartbeat of global rank %d: the record of global rank %d in the "
+                                       "group's store was written without the group's key; ignored", self.me, peer)
+            if value == CLOSED:
                 self.forget(peer)
-            elif count != last:
-                self._watched[peer] = (count, now)
+            elif value != last:
+                self._watched[peer] = (value, now)
             elif now - moved_at > self.timeout_s:
-                self._lose(peer, f"no heartbeat for {now - moved_at:.1f}s (more than timeout_s="
-                                 f"{self.timeout_s:g}s): the process is frozen, or gone without its "
-                                 f"connection closing")
+                self._lose(peer, f"no heartbeat for {now - moved_at:.1f}s (more than timeout_s={self.timeout_s:g}s):"
+                                 " the process is frozen, or gone without its connection closing")
 
     def _lose(self, peer: int, why: str) -> None:
         if self._watched.pop(peer, None) is None:

@@ -26,7 +26,7 @@ Both expose, through ``collective_rpc``: ``afd_stats()`` (role, steps,
 messages over every group served, KV cache bytes, parameter names of
 FFN/attention kind) and, on the FFN role, ``afd_wait(timeout_s)`` which blocks
 until a group ended or the serve loop stopped, and re-raises its error. Both
-start the ``vllm:afd_*`` metrics writer (``afd_patches.connectors.metrics``).
+start the ``vllm:afd_*`` metrics writer (``afd_patches.metrics``).
 
 Lockstep (rA:1F, ``schedule: batched``): an idle vLLM engine does not step, yet
 the FFN rank waits for every attention rank it serves before its one batched
@@ -65,8 +65,9 @@ from typing import Any
 
 import torch
 
+from afd_patches import metrics
 from afd_patches.config import AfdConfig
-from afd_patches.connectors import REGISTRY, metrics
+from afd_patches.connectors import REGISTRY
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout
 from afd_patches.models.common import afd_config_of
 

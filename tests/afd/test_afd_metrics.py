@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from afd_patches.connectors import metrics
+from afd_patches import metrics
 
 
 def _exposition(directory: Path) -> str:

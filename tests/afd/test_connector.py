@@ -123,7 +123,7 @@ def attention_worker(cfg: AfdConfig, plan: list[int], layers: int, queue: Any, f
 def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0, send_delay_s: float = 0.0) -> None:
     """Serve until the attention side closes: one batched FFN call per received step, every send
     ``send_delay_s`` slower; the report includes this process's exchange count and latency sum."""
-    from afd_patches.connectors import metrics
+    from afd_patches import metrics
 
     torch.set_num_threads(1)
     time.sleep(delay_s)

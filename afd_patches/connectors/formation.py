@@ -1,0 +1,155 @@
+"""Forming one AFD group for a connector: the rendezvous, then the transport its backend needs.
+
+``form(conn, deadline, wait_s)`` returns ``(transport, store)``: the connected ``Transport`` and, on
+gloo/NCCL, the ``MacStore`` the heartbeats use (``None`` on tcp). Per rank:
+
+- FFN rank 0: admits every other rank's session at the configured address (``rendezvous.collect``),
+  draws the group id and answers each with its verdict. On tcp it keeps the sessions of the attention
+  ranks it serves as their links; on gloo/NCCL its listening socket becomes the group's ``TCPStore``.
+- another FFN rank (tcp): listens for data sessions first (``data_port``), joins FFN rank 0 advertising
+  that address, then admits exactly its served attention ranks for that group id.
+- an attention rank: joins FFN rank 0; on tcp keeps that session as its link, or opens a data session
+  at the FFN address its verdict names.
+
+Every failure closes what was opened and raises a ``ConnectorError`` subclass naming this rank, the
+address and the cause.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from afd_patches import topology
+from afd_patches.connectors import auth, liveness, rendezvous
+from afd_patches.connectors.base import ConnectorError, ConnectorTimeout
+from afd_patches.connectors.session import Session
+from afd_patches.connectors.transport import Transport
+from afd_patches.metrics import METRICS
+
+if TYPE_CHECKING:
+    from afd_patches.connectors.torch_dist import TorchDistConnector
+
+WILDCARDS = ("0.0.0.0", "::")
+
+
+def form(conn: TorchDistConnector, deadline: float, wait_s: float) -> tuple[Transport, Any]:
+    cfg = conn.config
+    a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
+    if conn.global_rank == 0:
+        listener = rendezvous.listen(conn.host, cfg.port, "the group")
+        try:
+            expected = {topology.role_of_global(g, a, f) for g in range(1, conn.world_size)}
+            joined = rendezvous.collect(listener, conn._hello(), expected, deadline, conn.address, wait_s,
+                                        conn._token, conn.cancelled)
+        except BaseException:
+            listener.close()
+            raise
+        group = rendezvous.new_group_id()
+        addresses = {rank: j.hello.address for (role, rank), j in joined.items() if role == topology.FFN}
+
+        def ffn_of(hello: Any) -> str:
+            j = topology.ffn_rank_of(hello.rank, a, f) if hello.role == topology.ATTENTION else 0
+            return addresses.get(j, "") if j else ""
+
+        METRICS.add("handshakes_accepted", len(joined))
+        if conn.backend == "tcp":
+            listener.close()
+            rendezvous.accept(joined, group, ffn_of)
+            served = {topology.global_rank(role, rank, a, f): j.session for (role, rank), j in joined.items()
+                      if role == topology.ATTENTION and topology.global_rank(role, rank, a, f) in conn.peers}
+            for (role, rank), j in joined.items():
+                if topology.global_rank(role, rank, a, f) not in served:
+                    j.session.close()
+            return _tcp(conn, served), None
+        return _torch_group(conn, group, deadline, listener, joined, ffn_of)
+    if conn.backend == "tcp" and conn.role == topology.FFN:
+        return _tcp_ffn(conn, deadline, wait_s), None
+    session, _, verdict = rendezvous.join(conn.host, cfg.port, conn._hello(), deadline, wait_s, conn._token,
+                                          conn.cancelled)
+    METRICS.add("handshakes_accepted")
+    if conn.backend != "tcp":
+        session.close()
+        return _torch_group(conn, verdict["group"], deadline, None, {}, None)
+    if not verdict["ffn"]:
+        return _tcp(conn, {conn.peers[0]: session}), None
+    session.close()
+    host, _, port = verdict["ffn"].rpartition(":")
+    data, _, _ = rendezvous.join(host.strip("[]"), int(port), conn._hello("data", verdict["group"]), deadline,
+                                  wait_s, conn._token, conn.cancelled)
+    return _tcp(conn, {conn.peers[0]: data}), None
+
+
+def _tcp(conn: TorchDistConnector, sessions: dict[int, Session]) -> Transport:
+    from afd_patches.connectors.tcp import TcpTransport
+
+    return TcpTransport({peer: s.detach() for peer, s in sessions.items()}, conn.timeout_s,
+                        liveness.interval_for(conn.timeout_s))
+
+
+def _tcp_ffn(conn: TorchDistConnector, deadline: float, wait_s: float) -> Transport:
+    """An FFN rank other than 0 on tcp: listen for data sessions, join FFN rank 0, admit the served ranks."""
+    cfg, opts = conn.config, conn.options
+    bind = conn.host if conn.host in WILDCARDS else _local_address(conn.host)
+    listener = rendezvous.listen(bind, opts.data_port, "data sessions")
+    try:
+        host, port = opts.advertise or (
+            socket.gethostbyname(socket.gethostname()) if bind in WILDCARDS else bind, listener.getsockname()[1])
+        advertised = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        session, _, verdict = rendezvous.join(conn.host, cfg.port, conn._hello(address=advertised), deadline, wait_s,
+                                              conn._token, conn.cancelled)
+        session.close()
+        group = verdict["group"]
+        a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
+        expected = {(topology.ATTENTION, i) for i in topology.attention_ranks_of(cfg.rank, a, f)}
+        joined = rendezvous.collect(listener, conn._hello("data", group), expected, deadline, advertised, wait_s,
+                                    conn._token, conn.cancelled, group=group)
+    finally:
+        listener.close()
+    rendezvous.accept(joined, group, lambda hello: "")
+    METRICS.add("handshakes_accepted", len(joined))
+    return _tcp(conn, {topology.global_rank(role, rank, a, f): j.session for (role, rank), j in joined.items()})
+
+
+def _local_address(host: str) -> str:
+    """The local IP this machine uses to reach ``host`` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
+
+
+def _torch_group(conn: TorchDistConnector, group: str, deadline: float, listener: socket.socket | None,
+                 joined: dict[Any, Any], ffn_of: Any) -> tuple[Transport, Any]:
+    """gloo/NCCL: the group's store (FFN rank 0 serves it on ``listener``), the MAC'd group over it, warm-up."""
+    from afd_patches.connectors.torch_group import TorchGroupTransport, build_group, group_store
+
+    cfg = conn.config
+    remaining = max(deadline - time.monotonic(), 1.0)
+    key = auth.group_key(conn._token, group)
+    try:
+        raw, store = group_store(conn.host, cfg.port, conn.global_rank, group, key, remaining,
+                                 listener.detach() if listener is not None else None)
+    except (RuntimeError, ValueError) as e:
+        message = f"AFD {conn._me()}: could not open the group's store at {conn.address}: {e}"
+        rendezvous.refuse(joined, "error", message)
+        raise ConnectorError(message) from e
+    rendezvous.accept(joined, group, ffn_of)
+    group_timeout = remaining if conn.backend == "gloo" else max(conn.idle_timeout_s, conn.timeout_s, remaining)
+    try:
+        pg = build_group(store, conn.backend, conn.global_rank, conn.world_size, group_timeout)
+    except Exception as e:  # torch raises several unrelated types here
+        why = (f"the record {store.tampered!r} in the group's store failed authentication (written by someone "
+               "without the group's token)") if store.tampered else f"{type(e).__name__}: {e}"
+        late = store.tampered is None and time.monotonic() >= deadline
+        raise (ConnectorTimeout if late else ConnectorError)(
+            f"AFD connector init failed for {conn._me()}: could not form the {conn.backend} group of "
+            f"{conn.world_size} ranks at {conn.address}: {why}") from e
+    transport = TorchGroupTransport(pg, conn.backend, conn.device, conn.timeout_s, conn.inline_bytes, raw)
+    try:
+        transport.warm_up(conn.peers, conn.role == topology.FFN, max(deadline - time.monotonic(), 1.0))
+    except BaseException:
+        transport.close(clean=False)
+        raise
+    return transport, store

@@ -1,0 +1,213 @@
+"""How an AFD group forms: every rank opens an authenticated session with FFN rank 0, settings are compared,
+and FFN rank 0 answers each with one MAC'd verdict that carries everything the rank will act on.
+
+Why
+    torch's rendezvous cannot tell a misconfigured peer from a slow one, its store has no authentication,
+    and a ``TCPStore`` client that reaches some other program waits forever. So every rank first talks to
+    the rank that hosts the group (FFN rank 0) over a plain TCP socket bound to the configured address
+    only, where every wait is ours and bounded, through ``afd_patches.connectors.session``.
+
+Rules
+    A hello's ``fields`` (counts, backend, schedule, ``model.*`` identity) present on both sides must be
+    equal; a difference between authenticated peers fails the group on both sides with
+    ``ConnectorMismatch`` naming every differing field and both values. With NCCL two ranks naming the same
+    GPU fail the group, saying how to fix it. A second claim of a rank already taken, or a rank outside the
+    topology, is refused (that process fails naming the rank); the others' rendezvous goes on.
+
+Verdict
+    ``{"verdict": "ok", "group": G, "ffn": "host:port" | ""}``, sent inside the session (MAC'd). ``G`` is a
+    fresh random id: it names the group's records in a ``TCPStore`` and keys their MACs (gloo/NCCL), and
+    binds the data sessions of FFN ranks other than 0. ``ffn`` is where an attention rank served by such an
+    FFN rank opens its data session: the address that FFN rank advertised inside its own authenticated
+    hello. ``{"verdict": "fail", "kind", "message"}`` otherwise.
+
+Data sessions (``backend: tcp``, FFN ranks other than 0)
+    The same session protocol with ``purpose: data`` and the group id: the FFN rank accepts exactly the
+    attention ranks it serves, for the group it was told about, then answers each with an ``ok`` verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from afd_patches.connectors.base import ConnectorAuthError, ConnectorError, ConnectorMismatch, ConnectorTimeout
+from afd_patches.connectors.session import POLL_S, Gate, Hello, Joined, Session, SessionError, open_session
+
+logger = logging.getLogger("afd")
+
+BACKLOG = 256
+_KINDS: dict[str, type[ConnectorError]] = {
+    "mismatch": ConnectorMismatch,
+    "timeout": ConnectorTimeout,
+    "auth": ConnectorAuthError,
+    "error": ConnectorError,
+}
+
+
+def model_fields(identity: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``{"hidden_size": 64}`` → ``{"model.hidden_size": 64}``, dropping ``None`` values."""
+    return {f"model.{k}": v for k, v in (identity or {}).items() if v is not None}
+
+
+def differences(a: Hello, b: Hello) -> str:
+    """``""`` when ``a`` and ``b`` agree, else ``"f (a: x, b: y); …"`` for every field both have."""
+    return "; ".join(f"{name} ({a.who}: {a.fields[name]!r}, {b.who}: {b.fields[name]!r})"
+                     for name in sorted(set(a.fields) & set(b.fields)) if a.fields[name] != b.fields[name])
+
+
+def device_clash(a: Hello, b: Hello) -> str:
+    """``""`` unless ``a`` and ``b`` would be two ranks of one NCCL group on one GPU; else what to do about it."""
+    if not a.device or a.device != b.device or "nccl" not in (a.fields.get("backend"), b.fields.get("backend")):
+        return ""
+    return (f"{a.who} and {b.who} both use GPU {a.device}, and NCCL cannot put two ranks of one group on one "
+            "GPU; give each engine its own GPU (CUDA_VISIBLE_DEVICES per engine, or connector_extra_config "
+            "device), or set connector_extra_config backend: gloo on a single-GPU test box")
+
+
+def listen(address: str, port: int, what: str) -> socket.socket:
+    """Listen on ``address:port`` only (every interface only for ``0.0.0.0`` / ``::``); fail at once if taken."""
+    shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    try:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        return socket.create_server((address, port), family=family, backlog=BACKLOG)
+    except OSError as e:
+        if e.errno == 98:  # EADDRINUSE
+            raise ConnectorError(f"AFD: cannot host {what} at {shown}: port {port} is already in use by another "
+                                 "program (EADDRINUSE); stop it or give every engine of the group another port") from e
+        raise ConnectorError(f"AFD: cannot host {what} at {shown}: {e}") from e
+
+
+def collect(listener: socket.socket, own: Hello, expected: set[tuple[str, int]], deadline: float, address: str,
+            timeout_s: float, token: bytes | None, cancelled: Callable[[], bool],
+            group: str = "") -> dict[tuple[str, int], Joined]:
+    """Admit authenticated hellos until every ``(role, rank)`` of ``expected`` said one; their sessions.
+
+    ``group``: accept only ``data`` sessions of that group (an FFN rank other than 0), else only ``group``
+    sessions. On a settings mismatch, at ``deadline`` or when ``cancelled()``, every waiting joiner gets a
+    failing verdict and ``ConnectorMismatch``/``ConnectorTimeout``/``ConnectorError`` is raised.
+    """
+    gate = Gate(listener, own, token, address)
+    waiting: dict[tuple[str, int], Joined] = {}
+    current: Joined | None = None
+    try:
+        while set(waiting) != expected:
+            if cancelled():
+                raise ConnectorError(f"AFD rendezvous at {address}: cancelled (engine shutting down)")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = ", ".join(f"{r} rank {i}" for r, i in sorted(expected - set(waiting)))
+                raise ConnectorTimeout(f"AFD rendezvous at {address}: {own.who} heard from {len(waiting)} of "
+                                       f"{len(expected)} expected rank(s) within {timeout_s:g}s; missing: "
+                                       f"{missing}{gate.summary()}")
+            try:
+                current = gate.joined.get(timeout=min(left, POLL_S))
+            except queue.Empty:
+                continue
+            hello = current.hello
+            diff = differences(own, hello)
+            if diff:
+                raise ConnectorMismatch(f"AFD rendezvous at {address} failed: {own.who} and {hello.who} disagree "
+                                        f"on {diff}")
+            key = (hello.role, hello.rank)
+            wanted = ("data", group) if group else ("group", "")
+            why = ""
+            if (hello.purpose, hello.group) != wanted:
+                why = f"{hello.who} asked for a {hello.purpose} session of another group"
+            elif key in waiting or key == (own.role, own.rank):
+                why = f"{hello.who} is already taken"
+            elif key not in expected:
+                why = f"{hello.who} is not part of the topology {own.who} hosts"
+            if why:
+                gate.note(current.session.peer, why)
+                _refuse([current.session], "mismatch", f"AFD rendezvous at {address} failed: {why}")
+                current = None
+                continue
+            for other in [own, *(j.hello for j in waiting.values())]:
+                clash = device_clash(other, hello)
+                if clash:
+                    raise ConnectorMismatch(f"AFD rendezvous at {address} failed: {clash}")
+            waiting[key], current = current, None
+    except ConnectorError as e:
+        kind = next(name for name, cls in _KINDS.items() if isinstance(e, cls))  # "error" matches last
+        _refuse([j.session for j in [*waiting.values(), *([current] if current else [])]], kind, str(e))
+        raise
+    finally:
+        gate.close()
+        while True:  # sessions handed over after the last look
+            try:
+                gate.joined.get_nowait().session.close()
+            except queue.Empty:
+                break
+    return waiting
+
+
+def new_group_id() -> str:
+    return secrets.token_hex(16)
+
+
+def accept(joined: dict[tuple[str, int], Joined], group: str, ffn_address: Callable[[Hello], str]) -> None:
+    """Send each joiner its ``ok`` verdict (``ffn_address(hello)``: where its data session goes, or ``""``)."""
+    for j in joined.values():
+        try:
+            j.session.send({"verdict": "ok", "group": group, "ffn": ffn_address(j.hello)})
+        except OSError:
+            pass  # that peer is gone; the group fails on its side
+
+
+def refuse(joined: dict[tuple[str, int], Joined], kind: str, message: str) -> None:
+    """Send each joiner a failing verdict and close its session."""
+    _refuse([j.session for j in joined.values()], kind, message)
+
+
+def _refuse(sessions: list[Session], kind: str, message: str) -> None:
+    for s in sessions:
+        try:
+            s.send({"verdict": "fail", "kind": kind, "message": message}, timeout_s=1.0)
+        except OSError:
+            pass
+        s.close()
+
+
+def join(host: str, port: int, own: Hello, deadline: float, timeout_s: float, token: bytes | None,
+         cancelled: Callable[[], bool]) -> tuple[Session, Hello, dict[str, Any]]:
+    """Open a session with ``host:port``, compare settings, wait for the verdict; (session, host hello, verdict).
+
+    Raises ``ConnectorAuthError`` (another token), ``ConnectorMismatch`` (settings differ, or the host refused
+    this rank), ``ConnectorTimeout`` (no verdict by ``deadline``), ``ConnectorError`` otherwise.
+    """
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    session, host_hello = open_session(host, port, own, token, deadline, timeout_s, cancelled)
+    try:
+        problem = differences(own, host_hello) or device_clash(own, host_hello)
+        if problem:
+            raise ConnectorMismatch(f"AFD rendezvous at {address} failed: " + (
+                f"{own.who} and {host_hello.who} disagree on {problem}" if differences(own, host_hello) else problem))
+        while True:
+            if cancelled():
+                raise ConnectorError(f"AFD rendezvous for {own.who}: cancelled (engine shutting down)")
+            try:
+                verdict = session.recv(min(deadline, time.monotonic() + POLL_S))
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise ConnectorTimeout(f"AFD rendezvous for {own.who}: {host_hello.who} at {address} did not "
+                                           f"complete the group within {timeout_s:g}s (waiting for the other ranks)"
+                                           ) from None
+            except SessionError as e:
+                raise ConnectorError(f"AFD rendezvous for {own.who}: lost {host_hello.who} at {address} ({e})") from e
+        if verdict.get("verdict") != "ok":
+            cls = _KINDS.get(str(verdict.get("kind")), ConnectorError)
+            raise cls(f"{host_hello.who} at {address} refused the group for {own.who}: "
+                      f"{verdict.get('message', verdict)}")
+        if not isinstance(verdict.get("group"), str) or not isinstance(verdict.get("ffn", ""), str):
+            raise ConnectorError(f"AFD rendezvous for {own.who}: {address} sent a malformed verdict")
+    except BaseException:
+        session.close()
+        raise
+    return session, host_hello, verdict

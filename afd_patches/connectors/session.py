@@ -1,0 +1,453 @@
+"""One authenticated session per pair of AFD ranks: the only protocol of the rendezvous and of the data links.
+
+Protocol (one JSON object per line, at most ``MAX_LINE`` bytes)
+    1. joiner → host ``{"afd": PROTOCOL, "nonce": Nj}``
+    2. host → joiner ``{"afd": PROTOCOL, "nonce": Nh}`` (nothing that depends on the token)
+    3. joiner → host ``{"hello": H_j, "proof": P_j}``, ``P_j = HMAC(K, "join" ‖ canonical(H_j))``
+    4. the host checks ``P_j`` (constant time) and only then answers ``{"hello": H_h, "proof": P_h}``,
+       ``P_h = HMAC(K, "host" ‖ canonical(H_h) ‖ P_j)``; the joiner checks it.
+    ``K = HMAC(token, "afd-session" ‖ Nj ‖ Nh)`` is the session key (``auth.session_key``). From here on
+    every message is ``{"m": body, "mac": HMAC(K, "msg" ‖ counter ‖ canonical(body))}`` with a counter per
+    direction, so nothing can be injected, replayed or reordered on the session without the token.
+
+    The joiner proves first, so a caller without the token learns nothing it could test offline: all it ever
+    sees is a random nonce. The hellos (role, rank, the settings both sides compare, where the rank's
+    tensors live, the data address an FFN rank advertises) are inside the proofs; whatever a rank later acts
+    on arrives as a MAC'd message of the session (``afd_patches.connectors.rendezvous``).
+
+Admission (host side, ``Gate``)
+    One thread accepts and runs every pending connection's steps 1–4 on non-blocking sockets under one
+    ``selectors`` loop: a connection has ``HELLO_S`` for the whole exchange, whatever its byte pace. At most
+    ``MAX_PENDING`` connections are pending and at most ``MAX_PER_SOURCE`` from one address; a new one
+    beyond either bound evicts the oldest pending connection of the address that holds the most, so
+    strangers that park idle connections cannot keep a real peer (which finishes in a few round trips) out.
+    Anything malformed, unauthenticated or late drops that connection only, logged once and counted.
+
+Joining side (``open_session``)
+    Connects, retrying while nothing listens or the connection is closed before the host's nonce arrives
+    (an evicted or refused attempt), until its deadline.
+
+Limits
+    Nothing is encrypted: a party on the network path can read the traffic and cut it; it cannot change or
+    inject a session message without the token. The raw tensor stream of ``backend: tcp`` that follows a
+    session on the same connection is not MAC'd (see SECURITY.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import queue
+import selectors
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from afd_patches.connectors import auth
+from afd_patches.connectors.base import ConnectorAuthError, ConnectorError, ConnectorTimeout
+from afd_patches.metrics import METRICS
+
+logger = logging.getLogger("afd")
+
+PROTOCOL = 3
+MAX_LINE = 16 * 1024
+HELLO_S = 5.0  # the whole of steps 1-4 for one connection, whatever its pace
+MAX_PENDING = 64
+MAX_PER_SOURCE = 8
+BACKLOG = 256
+POLL_S = 0.1
+RETRY_S = 0.05  # pause between connection attempts of a joiner
+
+
+class SessionError(ConnectorError):
+    """A session broke: closed, garbage, or a message whose MAC does not verify."""
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What one rank says about itself inside the proofs.
+
+    ``fields`` are compared between peers (a field both have must be equal); ``device`` says where the
+    rank's tensors live; ``purpose`` is ``group`` (the rendezvous at FFN rank 0) or ``data`` (an attention
+    rank's link to an FFN rank other than 0), ``group`` the id of the group a ``data`` session belongs to,
+    ``address`` the ``host:port`` an FFN rank other than 0 takes data sessions at.
+    """
+
+    role: str
+    rank: int
+    fields: dict[str, Any] = field(default_factory=dict)
+    device: str = ""
+    purpose: str = "group"
+    group: str = ""
+    address: str = ""
+
+    @property
+    def who(self) -> str:
+        return f"{self.role} rank {self.rank}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"role": self.role, "rank": self.rank, "fields": self.fields, "device": self.device,
+                "purpose": self.purpose, "group": self.group, "address": self.address}
+
+    @classmethod
+    def parse(cls, obj: Any) -> Hello:
+        """``ValueError`` unless ``obj`` is a well-formed hello."""
+        if not isinstance(obj, dict):
+            raise ValueError("hello is not an object")
+        role, rank, fields = obj.get("role"), obj.get("rank"), obj.get("fields")
+        if not isinstance(role, str) or isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(
+                fields, dict):
+            raise ValueError("malformed role/rank/fields")
+        texts = [obj.get(k, "") for k in ("device", "purpose", "group", "address")]
+        if not all(isinstance(t, str) and len(t) <= 256 for t in texts):
+            raise ValueError("malformed device/purpose/group/address")
+        return cls(role, rank, fields, *texts)
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"\0".join(parts), hashlib.sha256).digest()
+
+
+def _parse_line(line: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError, UnicodeError) as e:
+        raise ValueError(f"not JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    return obj
+
+
+def _hex(obj: dict[str, Any], key: str, size: int) -> bytes:
+    value = obj.get(key)
+    if not isinstance(value, str) or len(value) != 2 * size:
+        raise ValueError(f"no valid {key!r}")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ValueError(f"no valid {key!r}") from None
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return canonical(obj) + b"\n"
+
+
+class Session:
+    """An authenticated connection (after step 4). ``send``/``recv`` carry MAC'd JSON messages;
+    ``detach`` hands the socket and any bytes read past the last message to a data link."""
+
+    def __init__(self, conn: socket.socket, key: bytes, peer: str, buf: bytes = b"") -> None:
+        self.conn, self.key, self.peer, self._buf = conn, key, peer, buf
+        self._sent = self._received = 0
+
+    def send(self, body: dict[str, Any], timeout_s: float = 5.0) -> None:
+        mac = _mac(self.key, b"msg", str(self._sent).encode(), canonical(body))
+        self._sent += 1
+        self.conn.settimeout(timeout_s)
+        self.conn.sendall(_line({"m": body, "mac": mac.hex()}))
+
+    def recv(self, deadline: float) -> dict[str, Any]:
+        """The next message; ``TimeoutError`` at ``deadline``, ``SessionError`` if closed or not authentic."""
+        try:
+            obj = _parse_line(self._read_line(deadline))
+            body, mac = obj.get("m"), _hex(obj, "mac", 32)
+        except ValueError as e:
+            raise SessionError(f"{self.peer} sent a malformed message ({e})") from None
+        want = _mac(self.key, b"msg", str(self._received).encode(), canonical(body))
+        if not isinstance(body, dict) or not hmac.compare_digest(want, mac):
+            raise SessionError(f"a message from {self.peer} failed authentication (altered or injected)")
+        self._received += 1
+        return body
+
+    def _read_line(self, deadline: float) -> bytes:
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no message in time")
+            self.conn.settimeout(left)
+            try:
+                chunk = self.conn.recv(4096)
+            except TimeoutError:
+                raise
+            except OSError as e:
+                raise SessionError(f"the session with {self.peer} broke ({e})") from None
+            if not chunk:
+                raise SessionError(f"{self.peer} closed the session")
+            self._buf += chunk
+            if len(self._buf) > MAX_LINE:
+                raise SessionError(f"{self.peer} sent a line longer than {MAX_LINE} bytes")
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def detach(self) -> tuple[socket.socket, bytes]:
+        conn, buf, self._buf = self.conn, self._buf, b""
+        return conn, buf
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+# ------------------------------------------------------------------ host side
+@dataclass
+class Joined:
+    session: Session
+    hello: Hello
+
+
+@dataclass
+class _Pending:
+    conn: socket.socket
+    source: str
+    peer: str
+    deadline: float
+    buf: bytes = b""
+    joiner_nonce: bytes = b""
+    host_nonce: bytes = b""
+
+
+class Gate:
+    """Admission and steps 1–4 for every connection to ``listener`` (see "Admission"); authenticated
+    hellos arrive on ``joined``. ``own`` is this side's hello, ``token`` the group's secret."""
+
+    def __init__(self, listener: socket.socket, own: Hello, token: bytes | None, address: str) -> None:
+        self.own, self.token, self.address = own, token, address
+        self.joined: queue.Queue[Joined] = queue.Queue()
+        self.refused: Counter[str] = Counter()
+        self.last_refused: dict[str, str] = {}
+        self._listener = listener
+        self._pending: dict[socket.socket, _Pending] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._run, name="afd-gate", daemon=True)
+        self._thread.start()
+
+    def note(self, peer: str, why: str) -> None:
+        """Log and count one refused connection."""
+        logger.warning("AFD rendezvous at %s: refused the connection from %s: %s", self.address, peer, why)
+        self.refused[why] += 1
+        self.last_refused[why] = peer
+        METRICS.add("handshakes_refused")
+
+    def summary(self) -> str:
+        """``""`` or ``"; refused N connection(s) meanwhile: 2x wrong token (last from …), …"``."""
+        refused = Counter(self.refused)
+        if not refused:
+            return ""
+        parts = [f"{n}x {why} (last from {self.last_refused[why]})" for why, n in refused.most_common()]
+        return f"; refused {sum(refused.values())} connection(s) meanwhile: " + ", ".join(parts)
+
+    def close(self) -> None:
+        """Stop admitting; pending connections are dropped (logged). Sessions handed over stay open."""
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- the loop
+    def _run(self) -> None:
+        self._listener.setblocking(False)
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ, "accept")
+            sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+            while True:
+                soonest = min((p.deadline for p in self._pending.values()), default=time.monotonic() + POLL_S)
+                events = sel.select(max(0.0, min(soonest - time.monotonic(), POLL_S)))
+                if any(key.data == "wake" for key, _ in events):
+                    break
+                for key, _ in events:
+                    if key.data == "accept":
+                        self._accept(sel)
+                    elif key.fileobj in self._pending:
+                        self._step(sel, self._pending[key.fileobj])  # type: ignore[index]
+                now = time.monotonic()
+                for pending in [p for p in self._pending.values() if p.deadline <= now]:
+                    self._drop(sel, pending, f"no complete AFD hello within {HELLO_S:g}s")
+            for pending in list(self._pending.values()):
+                self._drop(sel, pending, "no AFD hello before the rendezvous ended")
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        for _ in range(BACKLOG):
+            try:
+                conn, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors, say: try again at the next event
+                logger.warning("AFD rendezvous at %s: accept failed (%s)", self.address, e)
+                return
+            source = str(addr[0])
+            peer = f"[{source}]:{addr[1]}" if ":" in source else f"{source}:{addr[1]}"
+            self._admit(sel, source)
+            conn.setblocking(False)
+            self._pending[conn] = _Pending(conn, source, peer, time.monotonic() + HELLO_S)
+            sel.register(conn, selectors.EVENT_READ)
+
+    def _admit(self, sel: selectors.BaseSelector, source: str) -> None:
+        """Make room for one more connection from ``source`` (see "Admission")."""
+        by_source = Counter(p.source for p in self._pending.values())
+        if by_source[source] >= MAX_PER_SOURCE:
+            victim_source = source
+        elif len(self._pending) >= MAX_PENDING:
+            victim_source = by_source.most_common(1)[0][0]
+        else:
+            return
+        oldest = min((p for p in self._pending.values() if p.source == victim_source), key=lambda p: p.deadline)
+        self._drop(sel, oldest, f"evicted: too many pending connections (at most {MAX_PENDING}, "
+                                f"{MAX_PER_SOURCE} per address)")
+
+    def _drop(self, sel: selectors.BaseSelector, pending: _Pending, why: str) -> None:
+        self._pending.pop(pending.conn, None)
+        sel.unregister(pending.conn)
+        pending.conn.close()
+        self.note(pending.peer, why)
+
+    def _step(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+        try:
+            chunk = p.conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._drop(sel, p, f"connection failed ({e})")
+            return
+        if not chunk:
+            self._drop(sel, p, "closed before a complete AFD hello")
+            return
+        p.buf += chunk
+        try:
+            while b"\n" in p.buf:
+                line, p.buf = p.buf.split(b"\n", 1)
+                if self._advance(sel, p, _parse_line(line)):
+                    return
+            if len(p.buf) > MAX_LINE:
+                raise ValueError(f"line longer than {MAX_LINE} bytes")
+        except (ValueError, OSError) as e:
+            self._drop(sel, p, f"no valid AFD hello ({e})")
+
+    def _advance(self, sel: selectors.BaseSelector, p: _Pending, obj: dict[str, Any]) -> bool:
+        """One protocol step of ``p``; True once it was handed over (or dropped)."""
+        if not p.host_nonce:
+            if obj.get("afd") != PROTOCOL:
+                raise ValueError(f"not an AFD protocol {PROTOCOL} hello")
+            p.joiner_nonce, p.host_nonce = _hex(obj, "nonce", auth.NONCE_BYTES), auth.nonce()
+            p.conn.send(_line({"afd": PROTOCOL, "nonce": p.host_nonce.hex()}))  # a few bytes into an empty buffer
+            return False
+        key = auth.session_key(self.token, p.joiner_nonce, p.host_nonce)
+        proof, hello = _hex(obj, "proof", 32), obj.get("hello")
+        if not hmac.compare_digest(_mac(key, b"join", canonical(hello)), proof):
+            self._drop(sel, p, "wrong token (authentication failed)")
+            return True
+        parsed = Hello.parse(hello)
+        self._pending.pop(p.conn)
+        sel.unregister(p.conn)
+        own = self.own.as_dict()
+        p.conn.setblocking(True)
+        p.conn.settimeout(1.0)
+        try:
+            p.conn.sendall(_line({"hello": own, "proof": _mac(key, b"host", canonical(own), proof).hex()}))
+        except OSError as e:
+            p.conn.close()
+            self.note(p.peer, f"closed after authenticating ({e})")
+            return True
+        self.joined.put(Joined(Session(p.conn, key, p.peer, p.buf), parsed))
+        p.buf = b""
+        return True
+
+
+# ------------------------------------------------------------------ joining side
+def open_session(host: str, port: int, own: Hello, token: bytes | None, deadline: float, timeout_s: float,
+                 cancelled: Callable[[], bool] = lambda: False) -> tuple[Session, Hello]:
+    """Steps 1–4 as the joiner; the session and the host's hello.
+
+    ``ConnectorAuthError`` when the host holds another token (nothing but a proof under this side's
+    token was sent), ``ConnectorTimeout`` when no session could be opened by ``deadline``,
+    ``ConnectorError`` when whatever listens at ``host:port`` does not speak this protocol.
+    """
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    last = "nothing tried yet"
+    while True:
+        if cancelled():
+            raise ConnectorError(f"AFD session for {own.who} with {address}: cancelled (engine shutting down)")
+        if time.monotonic() >= deadline:
+            raise ConnectorTimeout(f"AFD session for {own.who}: could not open one with {address} within "
+                                   f"{timeout_s:g}s; is the FFN rank running there? (last: {last})")
+        try:
+            conn = socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 1.0), 0.01))
+        except OSError as e:
+            last = f"connect: {e}"
+            time.sleep(RETRY_S)
+            continue
+        try:
+            got = _client_steps(conn, address, own, token, deadline, timeout_s)
+        except _Retry as e:
+            conn.close()
+            last = str(e)
+            time.sleep(RETRY_S)
+            continue
+        except BaseException:
+            conn.close()
+            raise
+        return got
+
+
+class _Retry(Exception):
+    """The connection ended before the host's nonce: try a new one."""
+
+
+def _client_steps(conn: socket.socket, address: str, own: Hello, token: bytes | None, deadline: float,
+                  timeout_s: float) -> tuple[Session, Hello]:
+    joiner_nonce = auth.nonce()
+    reader = Session(conn, b"", address)
+    try:
+        conn.settimeout(max(deadline - time.monotonic(), 0.01))
+        conn.sendall(_line({"afd": PROTOCOL, "nonce": joiner_nonce.hex()}))
+        challenge = _parse_line(reader._read_line(deadline))
+    except TimeoutError:
+        raise ConnectorTimeout(f"AFD session for {own.who}: {address} accepted a connection but sent no AFD "
+                               f"answer within {timeout_s:g}s; is another program listening there?") from None
+    except (OSError, SessionError) as e:
+        raise _Retry(f"closed before the challenge ({e})") from None
+    except ValueError as e:
+        raise ConnectorError(f"AFD session for {own.who}: {address} is not an AFD rank ({e}); another program is "
+                             "listening there, or a different AFD version") from None
+    if challenge.get("afd") != PROTOCOL:
+        raise ConnectorError(f"AFD session for {own.who}: {address} speaks no AFD protocol {PROTOCOL} (another "
+                             "program, or a different AFD version)")
+    try:
+        host_nonce = _hex(challenge, "nonce", auth.NONCE_BYTES)
+    except ValueError as e:
+        raise ConnectorError(f"AFD session for {own.who}: {address} sent a malformed challenge ({e})") from None
+    key = auth.session_key(token, joiner_nonce, host_nonce)
+    mine = own.as_dict()
+    proof = _mac(key, b"join", canonical(mine))
+    try:
+        conn.settimeout(max(deadline - time.monotonic(), 0.01))
+        conn.sendall(_line({"hello": mine, "proof": proof.hex()}))
+        reply = _parse_line(reader._read_line(deadline))
+        host_hello, host_proof = reply.get("hello"), _hex(reply, "proof", 32)
+    except TimeoutError:
+        raise ConnectorTimeout(f"AFD session for {own.who}: {address} did not answer this side's proof within "
+                               f"{timeout_s:g}s") from None
+    except (OSError, SessionError, ValueError):
+        side = "a token" if token else "no token"
+        raise ConnectorAuthError(
+            f"AFD session for {own.who}: {address} refused this side's proof: it holds a different token (this "
+            f"side has {side}); {auth.HOW_TO_SET}") from None
+    if not hmac.compare_digest(_mac(key, b"host", canonical(host_hello), proof), host_proof):
+        raise ConnectorAuthError(f"AFD session for {own.who}: {address} did not prove the group's token; it is not "
+                                 f"this group's FFN rank; {auth.HOW_TO_SET}")
+    try:
+        parsed = Hello.parse(host_hello)
+    except ValueError as e:
+        raise ConnectorError(f"AFD session for {own.who}: {address} sent a malformed hello ({e})") from None
+    return Session(conn, key, address, reader._buf), parsed

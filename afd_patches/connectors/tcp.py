@@ -1,0 +1,225 @@
+"""``backend: tcp``: the AFD tensor traffic on the sessions' own sockets, one per FFN/attention pair.
+
+Why
+    On CPU the exchange is a few kilobytes per layer, so its cost is thread wake-ups, not bytes. Here the
+    thread that waits reads the socket itself: one wake-up per message on the receiving side, none on the
+    sending side (figures: docs/benchmarks.md).
+
+Where the sockets come from
+    Each link is the socket of an authenticated session (``afd_patches.connectors.session``): the
+    rendezvous session itself for attention ranks served by FFN rank 0, a data session with their FFN rank
+    for the others (``afd_patches.connectors.rendezvous``). No address is read from anywhere an
+    unauthenticated party can write: there is no store on this backend.
+
+Stream
+    A message is the header (``wire.HEADER_BYTES``) followed by its payload; each pair's stream keeps
+    order, so there are no tags. ``KIND_PING`` headers are keep-alives: every ``ping_s`` a thread sends
+    one to each peer this rank has sent nothing to for that long, and a reader skips them. A wait for a
+    header ends with ``PeerSilent`` when nothing at all (data or ping) came from that peer for ``alive_s``,
+    whatever the wait's own bound (an FFN rank waits for the next step of an idle group for a week, but
+    notices a frozen attention rank within ``alive_s``), with ``LinkClosed`` when the peer's socket closed,
+    and with ``LinkTimeout`` at the wait's own bound.
+
+Limits
+    Host memory only (the connector moves a CUDA tensor first). Sends are synchronous, bounded by
+    ``alive_s`` (a peer that stops reading fails them). The stream after the session is not MAC'd or
+    encrypted (SECURITY.md). An idle pair wakes once per ``ping_s`` on each side.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import threading
+import time
+
+import torch
+
+from afd_patches.connectors import wire
+from afd_patches.connectors.transport import (
+    DONE,
+    Handle,
+    LinkClosed,
+    LinkInterrupted,
+    LinkTimeout,
+    PeerSilent,
+    Transport,
+)
+
+_PING = wire.pack(wire.KIND_PING)
+
+
+def _view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+class TcpTransport(Transport):
+    """``socks`` maps each peer's global rank to its session socket and the bytes already read past the
+    session's last message."""
+
+    def __init__(self, socks: dict[int, tuple[socket.socket, bytes]], alive_s: float, ping_s: float) -> None:
+        self.alive_s, self.ping_s = alive_s, ping_s
+        self._rx = {peer: s for peer, (s, _) in socks.items()}
+        self._carry = {peer: bytearray(buf) for peer, (_, buf) in socks.items()}
+        self._tx = {peer: s.dup() for peer, s in self._rx.items()}  # own timeout for sends
+        self._locks = {peer: threading.Lock() for peer in socks}
+        now = time.monotonic()
+        self._heard = dict.fromkeys(socks, now)
+        self._sent = dict.fromkeys(socks, now)
+        self._ready: dict[int, wire.Header] = {}
+        self._interrupted: set[int] = set()
+        for s in [*self._rx.values(), *self._tx.values()]:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(alive_s)
+        self._stop = threading.Event()
+        self._pinger = threading.Thread(target=self._ping_loop, name="afd-tcp-ping", daemon=True)
+        self._pinger.start()
+
+    # ------------------------------------------------------------------ sending
+    def send(self, peer: int, words: list[int], tensor: torch.Tensor | None) -> Handle:
+        parts = [memoryview(wire.HEADER.pack(*words))]
+        if tensor is not None and tensor.numel():
+            parts.append(_view(tensor))
+        self._write(peer, parts, self.alive_s, blocking=True)
+        return DONE
+
+    def _write(self, peer: int, views: list[memoryview], budget: float, blocking: bool) -> bool:
+        lock = self._locks[peer]
+        if not lock.acquire(timeout=budget if blocking else 0):
+            if blocking:
+                raise LinkTimeout(peer, f"send to global rank {peer}: another send held the link for {budget:g}s")
+            return False
+        try:
+            sock, deadline = self._tx[peer], time.monotonic() + budget
+            while views:
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                sent = sock.sendmsg(views)
+                while views and sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                if views and sent:
+                    views[0] = views[0][sent:]
+            self._sent[peer] = time.monotonic()
+        except TimeoutError:
+            raise LinkTimeout(peer, f"send to global rank {peer} did not complete within {budget:g}s") from None
+        except OSError as e:
+            raise self._closed(peer, e) from None
+        finally:
+            lock.release()
+        return True
+
+    def _ping_loop(self) -> None:
+        while not self._stop.wait(self.ping_s):
+            now = time.monotonic()
+            for peer, last in list(self._sent.items()):
+                if now - last >= self.ping_s and peer not in self._interrupted:
+                    try:
+                        self._write(peer, [memoryview(_PING)], self.alive_s, blocking=False)
+                    except (LinkTimeout, LinkClosed, LinkInterrupted):
+                        pass  # the reader of that link reports it
+
+    # ---------------------------------------------------------------- receiving
+    def next_header(self, peer: int, timeout_s: float) -> wire.Header:
+        ready = self._ready.pop(peer, None)
+        if ready is not None:
+            return ready
+        deadline = time.monotonic() + timeout_s
+        buf = bytearray(wire.HEADER_BYTES)
+        while True:
+            self._read_into(peer, memoryview(buf), deadline)
+            header = wire.decode(buf)
+            if header.kind != wire.KIND_PING:
+                return header
+
+    def payload(self, peer: int, header: wire.Header, nbytes: int, timeout_s: float) -> torch.Tensor:
+        out = torch.empty(header.shape, dtype=getattr(torch, header.dtype))
+        if nbytes:
+            self._read_into(peer, _view(out), time.monotonic() + timeout_s)
+        return out
+
+    def first(self, peers: list[int], timeout_s: float) -> int | None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for peer in peers:
+                if peer in self._ready or self._carry[peer]:
+                    return self._take_header(peer, deadline)
+            now = time.monotonic()
+            silent = min(peers, key=lambda p: self._heard[p])
+            if now - self._heard[silent] >= self.alive_s:
+                raise self._silent(silent)
+            if now >= deadline:
+                return None
+            bound = min(deadline, self._heard[silent] + self.alive_s) - now
+            with selectors.DefaultSelector() as sel:
+                for peer in peers:
+                    sel.register(self._rx[peer], selectors.EVENT_READ, peer)
+                events = sel.select(min(bound, threading.TIMEOUT_MAX))
+            for key, _ in events:
+                peer = self._take_header(key.data, deadline)
+                if peer is not None:
+                    return peer
+
+    def _take_header(self, peer: int, deadline: float) -> int | None:
+        """Read ``peer``'s next header (it has bytes) into ``_ready``; ``None`` if it was only a ping."""
+        if peer in self._ready:
+            return peer
+        buf = bytearray(wire.HEADER_BYTES)
+        self._read_into(peer, memoryview(buf), deadline)
+        header = wire.decode(buf)
+        if header.kind == wire.KIND_PING:
+            return None
+        self._ready[peer] = header
+        return peer
+
+    def _read_into(self, peer: int, view: memoryview, deadline: float) -> None:
+        """Fill ``view`` from ``peer``'s stream by ``deadline``; ``PeerSilent`` after ``alive_s`` of nothing."""
+        got = 0
+        carry = self._carry[peer]
+        if carry:
+            got = min(len(carry), len(view))
+            view[:got] = carry[:got]
+            del carry[:got]
+        sock = self._rx[peer]
+        while got < len(view):
+            now = time.monotonic()
+            alive_until = self._heard[peer] + self.alive_s
+            if now >= alive_until:
+                raise self._silent(peer)
+            if now >= deadline:
+                raise LinkTimeout(peer, f"nothing from global rank {peer} in time")
+            sock.settimeout(max(min(deadline, alive_until) - now, 1e-3))
+            try:
+                n = sock.recv_into(view[got:])
+            except TimeoutError:
+                continue
+            except OSError as e:
+                raise self._closed(peer, e) from None
+            if not n:
+                raise self._closed(peer, None)
+            got += n
+            self._heard[peer] = time.monotonic()
+
+    def _silent(self, peer: int) -> PeerSilent:
+        return PeerSilent(peer, f"nothing, not even a keep-alive, from global rank {peer} for {self.alive_s:g}s: "
+                                "the process is frozen, or gone without its connection closing")
+
+    def _closed(self, peer: int, err: OSError | None) -> LinkClosed | LinkInterrupted:
+        if peer in self._interrupted or self._stop.is_set():
+            return LinkInterrupted(peer, f"the link to global rank {peer} was interrupted by this side")
+        why = f" ({err})" if err else ""
+        return LinkClosed(peer, f"the connection to global rank {peer} closed{why}")
+
+    # ------------------------------------------------------------------ ending
+    def interrupt(self, peer: int) -> None:
+        self._interrupted.add(peer)
+        try:
+            self._rx[peer].shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already shut down
+
+    def close(self, clean: bool) -> None:
+        self._stop.set()
+        for peer in list(self._rx):
+            self.interrupt(peer)
+        for s in [*self._rx.values(), *self._tx.values()]:
+            s.close()
