@@ -1,4 +1,4 @@
-"""Per-layer exchange latency of the ``torch_dist`` connector: 1 attention + 1 FFN rank, gloo, loopback.
+"""Per-layer exchange latency of the ``torch_dist`` connector: 1 attention + 1 FFN rank, loopback.
 
 One exchange is what a decoder layer costs on the attention side:
 ``send_attn_output`` + ``recv_ffn_output`` while the FFN rank echoes the tensor
@@ -7,6 +7,8 @@ and p99 in microseconds over ``--iters`` exchanges after ``--warmup``.
 
     .venv/bin/python -m benchmarks.connector_latency [--iters 2000] [--tokens 8] [--hidden 64] [--inline-bytes N]
         [--baseline DIR [--rounds 3]]
+
+``--inline-bytes -1`` selects ``backend: tcp`` (the CPU default), anything else gloo with that inline size.
 
 ``--baseline DIR``: DIR holds another version of ``afd_patches`` (e.g. from
 ``git worktree add /tmp/afd-main main``); each round then measures the baseline
@@ -118,17 +120,15 @@ def bookkeeping_us(reps: int = 200_000) -> float:
     the header check before the receive, the metrics updates and the two clock reads."""
     import timeit
 
-    from afd_patches.config import AfdConfig
+    from afd_patches.connectors import wire
     from afd_patches.metrics import METRICS
-    from afd_patches.connectors.torch_dist import KIND_DATA, Header, TorchDistConnector
 
-    identity = {"hidden_size": 64, "dtype": "float32", "max_num_batched_tokens": 256}
-    conn = TorchDistConnector(AfdConfig(role="attention", connector_extra_config={"backend": "gloo"}), identity)
-    header = Header(KIND_DATA, 0, 0, (8, 64), "float32", True)
+    limits = wire.Limits(num_layers=32, hidden_size=64, dtype="float32", max_tokens=256)
+    header = wire.Header(wire.KIND_DATA, 0, 0, 0, (8, 64), "float32", False)
 
     def one() -> None:
         t0 = time.perf_counter()
-        conn._check_header(header, 0, "x")
+        limits.check(header)
         METRICS.add("bytes_sent", 2048)
         METRICS.add("exchanges")
         METRICS.add("bytes_received", 2048)
@@ -167,7 +167,8 @@ def main() -> None:
                         help="gloo,tcp: both backends of this checkout, interleaved per round (no --baseline)")
     parser.add_argument("--rounds", type=int, default=3, help="baseline/current pairs with --baseline")
     args = parser.parse_args()
-    what = (f"torch_dist/gloo 1A1F loopback, {args.tokens}x{args.hidden} float32, inline_bytes={args.inline_bytes}, "
+    backend = "tcp" if args.inline_bytes < 0 else f"gloo, inline_bytes={args.inline_bytes}"
+    what = (f"torch_dist/{backend} 1A1F loopback, {args.tokens}x{args.hidden} float32, "
             f"{args.iters} exchanges (send_attn_output+recv_ffn_output, FFN echo)")
     print(f"bookkeeping added per exchange (header check, metrics, clock reads): {bookkeeping_us():.2f} us",
           flush=True)

@@ -1,67 +1,95 @@
-"""Time of one AFD rendezvous handshake (1 attention rank joins FFN rank 0), with and without a token.
+"""Time to form one AFD group (1 attention rank joins FFN rank 0 on ``backend: tcp``), with a token.
 
-Measures ``handshake.collect`` (host thread) + ``handshake.join`` (joining thread)
-in one process on loopback, without forming the torch group: listener up, join
-started, until both sides returned. Alternates token / no token per repetition
-and prints the median and p90 of each in milliseconds.
+Each repetition starts both ranks' ``TorchDistConnector.init()`` in two threads of one process on a free
+loopback port and times from the start until both returned, then closes both. On the current checkout that
+is the authenticated session (``session``), the comparison of settings and the verdict; the data link is
+the session's own socket. ``--baseline DIR`` runs the same in a second process that imports
+``afd_patches`` from DIR (another checkout, e.g. ``git worktree add /tmp/afd-before <commit>``),
+alternating per round, so both are measured in the same run.
 
-    .venv/bin/python -m benchmarks.handshake_time [--reps 200]
+    .venv/bin/python -m benchmarks.handshake_time [--reps 100] [--baseline DIR] [--rounds 3]
 
-Nothing leaves the machine (127.0.0.1 and a free port).
+Nothing leaves the machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
+import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
-from afd_patches.connectors import handshake
 from harness.env import free_port
 
-TOKEN = b"benchmark-token-0123456789abcdef"
-FIELDS = {"num_attention_ranks": 1, "num_ffn_ranks": 1, "backend": "gloo", "inline_bytes": 65536,
-          "model.hidden_size": 64, "model.dtype": "float32"}
+TOKEN = "benchmark-token-0123456789abcdef0123456789abcdef"
 
 
-def once(token: bytes | None) -> float:
-    """Seconds from the join's start until both sides have returned."""
+def once() -> float:
+    """Seconds from the start of both ``init()`` calls until both returned."""
+    from afd_patches.config import AfdConfig
+    from afd_patches.connectors.base import ConnectorError
+    from afd_patches.connectors.torch_dist import TorchDistConnector
+
     port = free_port()
-    listener = handshake.listen("127.0.0.1", port)
-    own = handshake.Hello("ffn", 0, FIELDS)
-    result: list[list[socket.socket]] = []
-    deadline = time.monotonic() + 10
+    conns = {role: TorchDistConnector(AfdConfig(role=role, host="127.0.0.1", port=port, timeout_s=10.0,
+                                                connector_extra_config={"backend": "tcp"})) for role in
+             ("ffn", "attention")}
+    errors: list[Exception] = []
 
-    def host() -> None:
-        conns = handshake.collect(listener, own, {("attention", 0)}, deadline, f"127.0.0.1:{port}", 10, token)
-        handshake.accept_all(conns)
-        result.append(conns)
+    def run(role: str) -> None:
+        try:
+            conns[role].init()
+        except ConnectorError as e:  # reported below
+            errors.append(e)
 
-    t = threading.Thread(target=host)
-    t.start()
+    threads = [threading.Thread(target=run, args=(role,)) for role in conns]
     t0 = time.perf_counter()
-    handshake.join("127.0.0.1", port, handshake.Hello("attention", 0, FIELDS), deadline, 10, token)
-    t.join()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     elapsed = time.perf_counter() - t0
-    listener.close()
-    assert result, "the host did not complete"
+    for conn in conns.values():
+        conn.close()
+    if errors:
+        raise errors[0]
     return elapsed
+
+
+def _child(reps: int) -> None:
+    os.environ["AFD_TOKEN"] = TOKEN
+    times = [once() for _ in range(reps)]
+    print(" ".join(f"{t:.6f}" for t in times))
+
+
+def run_tree(src: str | None, reps: int) -> list[float]:
+    """``reps`` formations in a fresh process importing ``afd_patches`` from ``src`` (None: this checkout)."""
+    code = ("import sys; from benchmarks.handshake_time import _child; "  # this file, then afd_patches from src
+            "sys.path.insert(0, sys.argv[1]) if sys.argv[1] else None; _child(int(sys.argv[2]))")
+    out = subprocess.run([sys.executable, "-c", code, src or "", str(reps)], capture_output=True, text=True,
+                         check=True, timeout=600)
+    return [float(x) for x in out.stdout.split()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", metavar="DIR")
     args = parser.parse_args()
-    times: dict[str, list[float]] = {"token": [], "no token": []}
-    for _ in range(args.reps):
-        times["token"].append(once(TOKEN))
-        times["no token"].append(once(None))
-    for name, samples in times.items():
-        ms = sorted(x * 1e3 for x in samples)
-        print(f"handshake 1A1F loopback, {name}: median {statistics.median(ms):.2f} ms, "
-              f"p90 {ms[int(0.9 * (len(ms) - 1))]:.2f} ms over {len(ms)} handshakes")
+    trees = [("baseline", args.baseline), ("current", None)] if args.baseline else [("current", None)]
+    medians: dict[str, list[float]] = {name: [] for name, _ in trees}
+    for r in range(args.rounds):
+        for name, src in trees:
+            ms = sorted(t * 1e3 for t in run_tree(src, args.reps))
+            medians[name].append(statistics.median(ms))
+            print(f"round {r + 1} {name}: median {statistics.median(ms):.2f} ms, p90 {ms[int(0.9 * len(ms))]:.2f} ms "
+                  f"({args.reps} groups, load average {os.getloadavg()[0]:.1f})", flush=True)
+    print("1A1F tcp group formation with a token, median of round medians: " +
+          ", ".join(f"{name} {statistics.median(m):.2f} ms" for name, m in medians.items()))
 
 
 if __name__ == "__main__":

@@ -21,11 +21,14 @@ Admission (host side, ``Gate``)
     ``MAX_PENDING`` connections are pending and at most ``MAX_PER_SOURCE`` from one address; a new one
     beyond either bound evicts the oldest pending connection of the address that holds the most, so
     strangers that park idle connections cannot keep a real peer (which finishes in a few round trips) out.
-    Anything malformed, unauthenticated or late drops that connection only, logged once and counted.
+    Anything malformed, unauthenticated or late drops that connection only, logged once and counted. A
+    dropped connection is told ``{"afd_refused": "proof"}`` (its proof failed) or ``{"afd_refused":
+    "busy"}`` (evicted or late) first: neither says anything about the token or the group.
 
 Joining side (``open_session``)
-    Connects, retrying while nothing listens or the connection is closed before the host's nonce arrives
-    (an evicted or refused attempt), until its deadline.
+    Connects, retrying while nothing listens, or the host closed or refused the connection as ``busy``
+    before its proof was answered (an evicted attempt), until its deadline. ``{"afd_refused": "proof"}``
+    after its proof is a different token: ``ConnectorAuthError``.
 
 Limits
     Nothing is encrypted: a party on the network path can read the traffic and cut it; it cannot change or
@@ -59,7 +62,7 @@ PROTOCOL = 3
 MAX_LINE = 16 * 1024
 HELLO_S = 5.0  # the whole of steps 1-4 for one connection, whatever its pace
 MAX_PENDING = 64
-MAX_PER_SOURCE = 8
+MAX_PER_SOURCE = 16
 BACKLOG = 256
 POLL_S = 0.1
 RETRY_S = 0.05  # pause between connection attempts of a joiner
@@ -108,7 +111,8 @@ class Hello:
         if not isinstance(role, str) or isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(
                 fields, dict):
             raise ValueError("malformed role/rank/fields")
-        texts = [obj.get(k, "") for k in ("device", "purpose", "group", "address")]
+        texts = [obj.get(k, default) for k, default in (("device", ""), ("purpose", "group"), ("group", ""),
+                                                         ("address", ""))]
         if not all(isinstance(t, str) and len(t) <= 256 for t in texts):
             raise ValueError("malformed device/purpose/group/address")
         return cls(role, rank, fields, *texts)
@@ -116,6 +120,11 @@ class Hello:
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"\0".join(parts), hashlib.sha256).digest()
+
+
+def join_proof(key: bytes, hello: Any) -> bytes:
+    """The joiner's proof (step 3) of ``hello`` under the session ``key`` (``auth.session_key``)."""
+    return _mac(key, b"join", canonical(hello))
 
 
 def _parse_line(line: bytes) -> dict[str, Any]:
@@ -306,9 +315,13 @@ class Gate:
         self._drop(sel, oldest, f"evicted: too many pending connections (at most {MAX_PENDING}, "
                                 f"{MAX_PER_SOURCE} per address)")
 
-    def _drop(self, sel: selectors.BaseSelector, pending: _Pending, why: str) -> None:
+    def _drop(self, sel: selectors.BaseSelector, pending: _Pending, why: str, refusal: str = "busy") -> None:
         self._pending.pop(pending.conn, None)
         sel.unregister(pending.conn)
+        try:
+            pending.conn.send(_line({"afd_refused": refusal}))  # a few bytes; never waits
+        except OSError:
+            pass
         pending.conn.close()
         self.note(pending.peer, why)
 
@@ -327,6 +340,8 @@ class Gate:
         try:
             while b"\n" in p.buf:
                 line, p.buf = p.buf.split(b"\n", 1)
+                if len(line) > MAX_LINE:
+                    raise ValueError(f"line longer than {MAX_LINE} bytes")
                 if self._advance(sel, p, _parse_line(line)):
                     return
             if len(p.buf) > MAX_LINE:
@@ -344,8 +359,8 @@ class Gate:
             return False
         key = auth.session_key(self.token, p.joiner_nonce, p.host_nonce)
         proof, hello = _hex(obj, "proof", 32), obj.get("hello")
-        if not hmac.compare_digest(_mac(key, b"join", canonical(hello)), proof):
-            self._drop(sel, p, "wrong token (authentication failed)")
+        if not hmac.compare_digest(join_proof(key, hello), proof):
+            self._drop(sel, p, "wrong token: a different token (authentication failed)", refusal="proof")
             return True
         parsed = Hello.parse(hello)
         self._pending.pop(p.conn)
@@ -420,6 +435,8 @@ def _client_steps(conn: socket.socket, address: str, own: Hello, token: bytes | 
     except ValueError as e:
         raise ConnectorError(f"AFD session for {own.who}: {address} is not an AFD rank ({e}); another program is "
                              "listening there, or a different AFD version") from None
+    if "afd_refused" in challenge:
+        raise _Retry(f"refused as {challenge['afd_refused']!r} before the challenge")
     if challenge.get("afd") != PROTOCOL:
         raise ConnectorError(f"AFD session for {own.who}: {address} speaks no AFD protocol {PROTOCOL} (another "
                              "program, or a different AFD version)")
@@ -429,20 +446,27 @@ def _client_steps(conn: socket.socket, address: str, own: Hello, token: bytes | 
         raise ConnectorError(f"AFD session for {own.who}: {address} sent a malformed challenge ({e})") from None
     key = auth.session_key(token, joiner_nonce, host_nonce)
     mine = own.as_dict()
-    proof = _mac(key, b"join", canonical(mine))
+    proof = join_proof(key, mine)
     try:
         conn.settimeout(max(deadline - time.monotonic(), 0.01))
         conn.sendall(_line({"hello": mine, "proof": proof.hex()}))
         reply = _parse_line(reader._read_line(deadline))
-        host_hello, host_proof = reply.get("hello"), _hex(reply, "proof", 32)
     except TimeoutError:
         raise ConnectorTimeout(f"AFD session for {own.who}: {address} did not answer this side's proof within "
                                f"{timeout_s:g}s") from None
-    except (OSError, SessionError, ValueError):
+    except (OSError, SessionError, ValueError) as e:
+        raise _Retry(f"closed after the proof ({e})") from None
+    if reply.get("afd_refused") == "proof":
         side = "a token" if token else "no token"
         raise ConnectorAuthError(
             f"AFD session for {own.who}: {address} refused this side's proof: it holds a different token (this "
-            f"side has {side}); {auth.HOW_TO_SET}") from None
+            f"side has {side}); {auth.HOW_TO_SET}")
+    if "afd_refused" in reply:
+        raise _Retry(f"refused as {reply['afd_refused']!r}")
+    try:
+        host_hello, host_proof = reply.get("hello"), _hex(reply, "proof", 32)
+    except ValueError as e:
+        raise ConnectorError(f"AFD session for {own.who}: {address} sent a malformed answer ({e})") from None
     if not hmac.compare_digest(_mac(key, b"host", canonical(host_hello), proof), host_proof):
         raise ConnectorAuthError(f"AFD session for {own.who}: {address} did not prove the group's token; it is not "
                                  f"this group's FFN rank; {auth.HOW_TO_SET}")

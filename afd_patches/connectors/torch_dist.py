@@ -57,7 +57,15 @@ from afd_patches.connectors import auth, liveness, rendezvous, schedule, wire
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout, Meta
 from afd_patches.connectors.options import DEFAULT_INLINE_BYTES, HOST_BACKENDS, OptionError, Options
 from afd_patches.connectors.session import Hello
-from afd_patches.connectors.transport import LinkError, LinkInterrupted, Transport
+from afd_patches.connectors.transport import (
+    BackendError,
+    LinkClosed,
+    LinkError,
+    LinkInterrupted,
+    LinkTimeout,
+    PeerSilent,
+    Transport,
+)
 from afd_patches.metrics import METRICS
 
 if TYPE_CHECKING:
@@ -116,7 +124,7 @@ class TorchDistConnector(Connector):
         self._lost: dict[int, str] = {}
         self._broken: str | None = None
         self._cancel = threading.Event()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # guards _busy (threads inside a transport call) and the cancel check
         self._busy = 0
         self._sent_at = self._received_at = 0.0
         self._out_device = self.device
@@ -155,7 +163,7 @@ class TorchDistConnector(Connector):
 
         wait_s = self.timeout_s if wait_s is None else wait_s
         transport, store = formation.form(self, time.monotonic() + wait_s, wait_s)
-        with self._cond:
+        with self._lock:
             if self._cancel.is_set():
                 transport.close(clean=False)
                 raise ConnectorError(f"AFD connector init of {self._me()} was cancelled by close()")
@@ -180,7 +188,7 @@ class TorchDistConnector(Connector):
     def close(self) -> None:
         """Offer ``CLOSE`` to every open peer (bounded), interrupt a wait in progress (from any thread), end
         the transport. Idempotent; never hangs."""
-        with self._cond:
+        with self._lock:
             self._cancel.set()
             transport, self._transport = self._transport, None
         if transport is None:
@@ -188,15 +196,17 @@ class TorchDistConnector(Connector):
         clean = (self._broken is None or set(self.peers) <= self._closed_peers) and not self._lost
         if clean:
             clean = self._offer_close(transport)
+        interrupted = bool(self._busy)  # on NCCL an abandoned receive stays queued: abort, never shut down
         for peer in self.peers:
             transport.interrupt(peer)
-        with self._cond:
-            self._cond.wait_for(lambda: not self._busy, CLOSE_WAIT_S)
+        left = time.monotonic() + CLOSE_WAIT_S
+        while self._busy and time.monotonic() < left:  # the interrupted call leaves within milliseconds
+            time.sleep(0.005)
         if self._heartbeat is not None:
             self._heartbeat.stop(clean=clean)
             self._heartbeat = None
         self._broken = self._broken or "closed"
-        transport.close(clean)
+        transport.close(clean and not interrupted)
 
     def _offer_close(self, transport: Transport) -> bool:
         try:
@@ -219,7 +229,7 @@ class TorchDistConnector(Connector):
         lost = next((p for p in self.peers if p in self._lost), None)
         if lost is not None and self._broken is None:
             self._broken = f"lost {self.describe(lost)}"
-            raise ConnectorTimeout(f"AFD {self._me()}: lost {self.describe(lost)}: {self._lost[lost]}")
+            raise PeerSilent(lost, f"AFD {self._me()}: lost {self.describe(lost)}: {self._lost[lost]}")
         if self._broken is not None:
             raise ConnectorError(f"AFD connector of {self._me()} is unusable: {self._broken}")
         if self._transport is None:
@@ -228,7 +238,7 @@ class TorchDistConnector(Connector):
 
     def _io(self, what: str, peer: int, call: Callable[[], Any]) -> Any:
         """Run one transport call, counted as a wait ``close()`` interrupts; errors named and typed."""
-        with self._cond:
+        with self._lock:
             if self._cancel.is_set():
                 raise ConnectorClosed(f"AFD connector of {self._me()} was closed by this side")
             self._busy += 1
@@ -237,19 +247,28 @@ class TorchDistConnector(Connector):
         except (LinkError, wire.BadMessage) as e:
             raise self._fail(e, peer, what) from e
         finally:
-            with self._cond:
+            with self._lock:
                 self._busy -= 1
-                self._cond.notify_all()
 
     def _fail(self, err: ConnectorError, peer: int, what: str) -> ConnectorError:
+        """Mark the connector broken; ``err`` (typed, see ``transport``) with this rank, the peer and ``what``."""
         self._broken = f"{type(err).__name__} with {self.describe(peer)}"
+        me, who = self._me(), self.describe(peer)
         if self._cancel.is_set():
-            return ConnectorClosed(f"AFD {self._me()}: closed by this side while waiting for {what}")
+            return ConnectorClosed(f"AFD {me}: closed by this side while waiting for {what}")
         if isinstance(err, LinkInterrupted) and peer in self._lost:
-            return ConnectorTimeout(f"AFD {self._me()}: lost {self.describe(peer)} during {what}: {self._lost[peer]}")
-        cls = type(err)
-        text = f"AFD {self._me()}: {what} with {self.describe(peer)}: {err}"
-        return cls(peer, text) if isinstance(err, LinkError) else cls(text)
+            return PeerSilent(peer, f"AFD {me}: lost {who} during {what}: {self._lost[peer]}")
+        if isinstance(err, LinkClosed):
+            text = f"lost {who} during {what}: its connection closed, so the process crashed or exited ({err})"
+        elif isinstance(err, PeerSilent):
+            text = f"lost {who} during {what}: {err}"
+        elif isinstance(err, LinkTimeout):
+            text = f"no {what} from/to {who} in time ({err})"
+        elif isinstance(err, BackendError):
+            text = f"{err} during {what} with {who} (a backend failure, not a lost connection)"
+        else:
+            text = f"{what} with {who}: {err}"
+        return type(err)(peer, f"AFD {me}: {text}") if isinstance(err, LinkError) else type(err)(f"AFD {me}: {text}")
 
     def _drain(self) -> None:
         pending, self._pending = self._pending, []
@@ -267,7 +286,10 @@ class TorchDistConnector(Connector):
             METRICS.add("idle_steps")
 
     def _payload(self, transport: Transport, peer: int, header: wire.Header, what: str) -> torch.Tensor:
-        nbytes = self._io(what, peer, lambda: self.limits.check(header, self.describe(peer)))
+        try:
+            nbytes = self.limits.check(header)
+        except wire.BadMessage as e:
+            raise self._fail(e, peer, what) from e
         return self._io(what, peer, lambda: transport.payload(peer, header, nbytes, self.timeout_s))
 
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ What it runs
     Two processes, an FFN rank and an attention rank, on the real ``TorchDistConnector``
     (``afd_patches/connectors/torch_dist.py``) and the real FFN serve loop
     (``FfnRoleMixin._afd_serve`` of ``afd_patches/workers/common.py``, in its own thread, on a
-    stand-in worker that holds a bf16 MLP). vLLM's group helper is replaced by
-    ``group_shim.py`` where vLLM is not installed.
+    stand-in worker that holds a bf16 MLP). The connector builds its gloo/NCCL group from torch's own
+    classes, so vLLM need not be installed.
 
     ``exchange`` (call 1, about 1-2 minutes on one GPU):
       - ``same_gpu_refused``: both ranks on one GPU with NCCL fail at the handshake with the
@@ -58,7 +58,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's afd_patches
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import group_shim
 import torch
 
 SLACK_S = 5.0
@@ -99,16 +98,15 @@ def identity(opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def setup(role: str, opts: dict[str, Any]) -> torch.device:
-    """Per process: the shim, the device, and (with ``force_distinct``) a bypass of the same-GPU check."""
-    group_shim.install(force=opts["shim"])
+    """Per process: the device, and (with ``force_distinct``) a bypass of the same-GPU check."""
     torch.set_num_threads(2)
     device = torch.device(opts["devices"][role])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if opts.get("force_distinct"):
-        from afd_patches.connectors import torch_dist
+        from afd_patches.connectors import torch_group
 
-        torch_dist.device_identity = lambda d: f"forced-distinct-{role}"
+        torch_group.device_identity = lambda d: f"forced-distinct-{role}"
     return device
 
 
@@ -371,7 +369,6 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--idle-s", type=float, default=60.0)
     parser.add_argument("--timeout-s", type=float, default=10.0)
-    parser.add_argument("--shim", action="store_true", help="use group_shim even where vLLM is installed")
     args = parser.parse_args()
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     backend = args.backend or ("nccl" if gpus >= 2 else "gloo")
@@ -381,10 +378,10 @@ def main() -> int:
         devices = {"ffn": "cuda:0", "attention": "cuda:1" if gpus >= 2 else "cuda:0"}
     opts = {"backend": backend, "devices": devices, "hidden": args.hidden, "dtype": args.dtype,
             "tokens": [int(t) for t in args.tokens.split(",")], "reps": args.reps, "idle_s": args.idle_s,
-            "timeout_s": args.timeout_s, "shim": args.shim}
+            "timeout_s": args.timeout_s}
     print("GPU_CHECK " + json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus,
                                      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,
-                                     **{k: v for k, v in opts.items() if k != "shim"}}), flush=True)
+                                     **opts}), flush=True)
     started = time.monotonic()
     if args.what == "exchange":
         if gpus == 1:

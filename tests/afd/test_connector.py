@@ -9,7 +9,6 @@ Workers report through a queue: ``(name, result dict)``.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -17,7 +16,6 @@ import signal
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -25,16 +23,16 @@ import torch
 
 from afd_patches import topology
 from afd_patches.config import AfdConfig
-from afd_patches.connectors.base import ConnectorError, Meta
-from afd_patches.connectors.torch_dist import (
-    CLOSE_WAIT_S,
-    HEADER_LEN,
-    KIND_CLOSE,
-    KIND_DATA,
-    TorchDistConnector,
-    decode_header,
-    encode_header,
+from afd_patches.connectors import wire
+from afd_patches.connectors.base import (
+    ConnectorAuthError,
+    ConnectorClosed,
+    ConnectorError,
+    ConnectorMismatch,
+    ConnectorTimeout,
+    Meta,
 )
+from afd_patches.connectors.torch_dist import CLOSE_WAIT_S, TorchDistConnector
 from harness.env import free_port
 
 HIDDEN = 16
@@ -47,12 +45,13 @@ _CTX.set_forkserver_preload(["torch", "vllm.distributed.utils", "afd_patches.con
 # --------------------------------------------------------------------------- helpers
 def make_config(
     role: str, rank: int, port: int, a: int = 1, f: int = 1, timeout_s: float = 15.0, backend: str = "tcp",
-    **extra: Any
+    host: str = "127.0.0.1", **extra: Any
 ) -> AfdConfig:
-    """A 127.0.0.1 config; ``backend`` ``tcp`` (the CPU default) unless a test names gloo."""
+    """A config on ``host`` (127.0.0.1); ``backend`` ``tcp`` (the CPU default) unless a test names gloo."""
     return AfdConfig(
         role=role,
-        host="127.0.0.1",
+        host=host,
+        allow_unauthenticated=host == "0.0.0.0",
         port=port,
         num_attention_ranks=a,
         num_ffn_ranks=f,
@@ -77,8 +76,14 @@ def _report(queue: Any, name: str, **result: Any) -> None:
     queue.put((name, result))
 
 
+_KINDS = (ConnectorClosed, ConnectorMismatch, ConnectorAuthError, ConnectorTimeout, ConnectorError)
+
+
 def _error_fields(e: BaseException) -> dict[str, Any]:
-    return {"error": type(e).__name__, "message": str(e)}
+    """``error``: the contract's class the error is (``ConnectorTimeout`` for a ``PeerSilent``, ...);
+    ``type``: its own class."""
+    kind = next((k.__name__ for k in _KINDS if isinstance(e, k)), type(e).__name__)
+    return {"error": kind, "type": type(e).__name__, "message": str(e)}
 
 
 def attention_worker(cfg: AfdConfig, plan: list[int], layers: int, queue: Any, forever: bool = False) -> None:
@@ -130,13 +135,13 @@ def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0, send_delay_s: f
     name = f"ffn{cfg.rank}"
     conn = TorchDistConnector(cfg)
     if send_delay_s:
-        send = conn._send_tensor
+        send = conn._send
 
         def slow_send(*args: Any) -> Any:
             time.sleep(send_delay_s)
             return send(*args)
 
-        conn._send_tensor = slow_send  # type: ignore[method-assign]
+        conn._send = slow_send  # type: ignore[method-assign]
     calls = 0
     metas: list[Meta] = []
     try:
@@ -251,21 +256,18 @@ def test_topology_validate(a: int, f: int, words: str) -> None:
 
 def test_header_round_trip() -> None:
     t = torch.zeros(0, HIDDEN, dtype=torch.bfloat16)
-    h = encode_header(KIND_DATA, 7, 123456, t, torch.device("cpu"))
-    assert h.shape == (HEADER_LEN,) and h.dtype == torch.int64
-    assert decode_header(h) == (KIND_DATA, 7, 123456, (0, HIDDEN), "bfloat16", False)
-    message = torch.cat(
-        [
-            encode_header(KIND_DATA, 1, 2, t, torch.device("cpu"), True).view(torch.uint8),
-            torch.ones(9, dtype=torch.uint8),
-        ]
-    )
-    assert decode_header(message) == (KIND_DATA, 1, 2, (0, HIDDEN), "bfloat16", True)
-    assert decode_header(encode_header(KIND_CLOSE, -1, -1, None, torch.device("cpu")))[0] == KIND_CLOSE
-    with pytest.raises(ConnectorError, match="malformed"):
-        decode_header(torch.zeros(HEADER_LEN, dtype=torch.int64))
+    h = wire.encode(wire.KIND_DATA, 7, 123456, t, torch.device("cpu"), microbatch=2)
+    assert h.shape == (wire.HEADER_LEN,) and h.dtype == torch.int64
+    assert wire.decode(h) == (wire.KIND_DATA, 7, 123456, 2, (0, HIDDEN), "bfloat16", False)
+    assert wire.decode(wire.pack(wire.KIND_DATA, 7, 123456, t, 2)) == wire.decode(h)
+    message = torch.cat([wire.encode(wire.KIND_DATA, 1, 2, t, torch.device("cpu"), True).view(torch.uint8),
+                         torch.ones(9, dtype=torch.uint8)])
+    assert wire.decode(message) == (wire.KIND_DATA, 1, 2, 0, (0, HIDDEN), "bfloat16", True)
+    assert wire.decode(wire.pack(wire.KIND_CLOSE)).kind == wire.KIND_CLOSE
+    with pytest.raises(wire.BadMessage, match="malformed"):
+        wire.decode(torch.zeros(wire.HEADER_LEN, dtype=torch.int64))
     with pytest.raises(ConnectorError, match="dtype"):
-        encode_header(KIND_DATA, 0, 0, torch.zeros(2, dtype=torch.complex64), torch.device("cpu"))
+        wire.encode(wire.KIND_DATA, 0, 0, torch.zeros(2, dtype=torch.complex64), torch.device("cpu"))
 
 
 def test_wrong_side_and_uninitialised() -> None:
@@ -283,7 +285,8 @@ def test_model_identity_and_hello_comparison() -> None:
     fields both sides supplied are compared (a creator without an identity still connects)."""
     from types import SimpleNamespace
 
-    from afd_patches.connectors.handshake import Hello, differences, model_fields
+    from afd_patches.connectors.rendezvous import differences, model_fields
+    from afd_patches.connectors.session import Hello
     from afd_patches.workers.common import model_identity
 
     hf = SimpleNamespace(num_hidden_layers=2, hidden_size=64, architectures=["LlamaForCausalLM"])
@@ -396,7 +399,7 @@ def test_2a1f_pingpong_serves_each_rank_as_it_arrives(backend: str) -> None:
 
 
 def test_schedule_must_be_known_and_pingpong_needs_gloo() -> None:
-    with pytest.raises(ConnectorError, match="schedule='lockstep'"):
+    with pytest.raises(ConnectorError, match="schedule: 'lockstep' is not one of batched, pingpong"):
         TorchDistConnector(make_config("ffn", 0, 1, schedule="lockstep"))
     with pytest.raises(ConnectorError, match="'pingpong' needs backend gloo"):
         TorchDistConnector(make_config("ffn", 0, 1, schedule="pingpong", backend="nccl", inline_bytes=0,
@@ -423,14 +426,17 @@ def test_2a1f_rank_that_closes_early_leaves_the_other_served() -> None:
     assert f["calls"] == layers * 4 and f["received"] == layers * (4 + 1)
 
 
-def test_2a2f_block_mapping() -> None:
-    """Two FFN ranks each serve their own attention rank in one group."""
+@pytest.mark.parametrize("backend,host", [("tcp", "127.0.0.1"), ("gloo", "127.0.0.1"), ("tcp", "0.0.0.0")])
+def test_2a2f_block_mapping(backend: str, host: str) -> None:
+    """Two FFN ranks each serve their own attention rank in one group. On tcp, FFN rank 1's attention rank
+    opens a data session at the address FFN rank 1 advertised inside its own session with FFN rank 0; with
+    ``host: 0.0.0.0`` that rank listens on every interface and advertises its host name's address."""
     port, layers, plan = free_port(), 2, [2, 0, 1]
     queue = _CTX.Queue()
-    procs = [start(ffn_worker, make_config("ffn", j, port, a=2, f=2), queue) for j in range(2)]
-    procs += [
-        start(attention_worker, make_config("attention", r, port, a=2, f=2), plan, layers, queue) for r in range(2)
-    ]
+    cfgs = {(role, r): make_config(role, r, port, a=2, f=2, backend=backend, host=host)
+            for role in ("ffn", "attention") for r in range(2)}
+    procs = [start(ffn_worker, cfgs["ffn", j], queue) for j in range(2)]
+    procs += [start(attention_worker, cfgs["attention", r], plan, layers, queue) for r in range(2)]
     got = collect(queue, {"ffn0", "ffn1", "attention0", "attention1"}, 45)
     _join_all(procs, 10)
     n = layers * len(plan)
@@ -589,7 +595,7 @@ def test_handshake_rank_claimed_twice_refuses_the_second_claim_only() -> None:
     second = [r for n, r in got.items() if n != "ffn0" and r["elapsed"] < SLACK_S]
     assert len(second) == 1, got
     assert second[0]["error"] == "ConnectorMismatch", second
-    assert "two processes claim to be attention rank 0" in second[0]["message"], second
+    assert "attention rank 0 is already taken" in second[0]["message"], second
     assert got["ffn0"]["error"] == "ConnectorTimeout", got["ffn0"]
     assert "missing: attention rank 1" in got["ffn0"]["message"]
     assert "attention rank 0 is already taken" in got["ffn0"]["message"]
@@ -645,7 +651,7 @@ def test_port_in_use_by_another_program(talks: bool) -> None:
     assert f["error"] == "ConnectorError" and "already in use" in f["message"], f
     assert f["elapsed"] < 1.0, f
     if talks:
-        assert a["error"] == "ConnectorError" and "not an AFD FFN rank 0" in a["message"], a
+        assert a["error"] == "ConnectorError" and "is not an AFD rank" in a["message"], a
         assert a["elapsed"] < SLACK_S, a
     else:
         assert a["error"] == "ConnectorTimeout" and "another program" in a["message"], a
@@ -680,15 +686,17 @@ def test_attention_killed_while_ffn_waits_idle_is_noticed_at_once(schedule: str,
 
 
 # ------------------------------------------------------------- liveness and close
-def test_attention_frozen_while_ffn_waits_idle_is_noticed_by_the_heartbeat() -> None:
-    """A frozen attention rank keeps its socket open, so gloo alone would wait idle_timeout_s (a week); the
-    heartbeat in the group's store ends the FFN's idle wait within about timeout_s, naming the rank. On
-    NCCL, where no socket closes, this is the only signal, also for a killed peer."""
+@pytest.mark.parametrize("backend,words", [("tcp", "not even a keep-alive"), ("gloo", "no heartbeat")])
+def test_attention_frozen_while_ffn_waits_idle_is_noticed(backend: str, words: str) -> None:
+    """A frozen attention rank keeps its socket open, so the idle wait alone would last idle_timeout_s (a
+    week); the keep-alives (tcp) or the MAC'd heartbeat in the group's store (gloo; on NCCL, where no socket
+    closes, the only signal) end it within about timeout_s, naming the rank."""
     port, timeout_s = free_port(), 2.0
     queue = _CTX.Queue()
     procs = [
-        start(ffn_worker, make_config("ffn", 0, port, timeout_s=timeout_s), queue),
-        start(silent_attention_worker, make_config("attention", 0, port, timeout_s=timeout_s), queue, 60.0),
+        start(ffn_worker, make_config("ffn", 0, port, timeout_s=timeout_s, backend=backend), queue),
+        start(silent_attention_worker, make_config("attention", 0, port, timeout_s=timeout_s, backend=backend),
+              queue, 60.0),
     ]
     try:
         collect(queue, {"attention-joined"}, 30)
@@ -703,7 +711,7 @@ def test_attention_frozen_while_ffn_waits_idle_is_noticed_by_the_heartbeat() -> 
     _join_all(procs, 10)
     print(f"{elapsed:.2f}s", res["message"])
     assert res["error"] == "ConnectorTimeout", res
-    assert "lost attention rank 0" in res["message"] and "no heartbeat" in res["message"], res["message"]
+    assert "lost attention rank 0" in res["message"] and words in res["message"], res["message"]
     assert f"127.0.0.1:{port}" in res["message"], res["message"]
     assert res["calls"] == 0 and timeout_s - 1.0 < elapsed < timeout_s + SLACK_S, (elapsed, res)
 
@@ -778,97 +786,3 @@ def test_run_ffn_calls_the_ffn_once_on_the_busy_rows_only() -> None:
     assert torch.equal(out[0], ffn(a)) and out[1] is empty and torch.equal(out[2], ffn(b))
 
 
-# ------------------------------------------------------------- backend tcp: data connections
-class _DictStore:
-    """The three calls of torch's ``TCPStore`` that ``sockets`` uses, in memory."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value.encode()
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-
-def test_tcp_links_drop_strangers_and_wrong_tokens_then_carry_bytes_both_ways() -> None:
-    """An FFN rank's data port drops a connection that sends garbage, one with a wrong token's proof and one
-    claiming a rank it does not serve, and still forms with its real attention rank; that rank refuses an
-    FFN whose answer does not prove the token. Then bytes go both ways and ``interrupt`` ends a blocked wait."""
-    from afd_patches.connectors import auth, sockets
-
-    store, token, deadline = _DictStore(), b"k" * 32, time.monotonic() + 20
-    formed: dict[str, Any] = {}
-
-    def ffn() -> None:
-        formed["ffn"] = sockets.SocketLinks.form(True, 0, [1], store, "127.0.0.1", token, deadline, lambda: False,
-                                                 5.0)
-
-    thread = threading.Thread(target=ffn, daemon=True)
-    thread.start()
-    while not store.check([sockets.key(0)]):
-        time.sleep(0.01)
-    info = json.loads(store.get(sockets.key(0)))
-    address, cookie = (info["host"], info["port"]), bytes.fromhex(info["cookie"])
-    for hello in ((b"GET / HTTP/1.0\r\n\r\n" * 4)[:sockets.HELLO.size],
-                  sockets.HELLO.pack(1, b"n" * 16, auth.proof(b"wrong", sockets.LABEL_JOIN, b"n" * 16, cookie)),
-                  sockets.HELLO.pack(7, b"n" * 16, auth.proof(token, sockets.LABEL_JOIN, b"n" * 16, cookie))):
-        with socket.create_connection(address, timeout=5) as s:
-            s.sendall(hello)
-            assert s.recv(64) == b""  # dropped
-    attention = sockets.SocketLinks.form(False, 1, [0], store, "127.0.0.1", token, deadline, lambda: False, 5.0)
-    thread.join(10)
-    ffn_links = formed["ffn"]
-    x = torch.arange(1000, dtype=torch.float32)
-    attention.send([x[:3], x], 0)
-    got = torch.empty(1003)
-    ffn_links.recv([got], 1).wait(timedelta(seconds=5))
-    assert torch.equal(got, torch.cat([x[:3], x]))
-    waiter = ffn_links.recv([torch.empty(4)], 1)
-    threading.Timer(0.3, ffn_links.interrupt, args=(1,)).start()
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="closed"):
-        waiter.wait(timedelta(seconds=30))
-    assert time.monotonic() - t0 < 5
-    ffn_links.shutdown()
-    attention.shutdown()
-    with pytest.raises(ConnectorError, match="does not prove the group's token"):
-        with socket.create_server(("127.0.0.1", 0)) as fake:
-            store.set(sockets.key(2), json.dumps({"host": "127.0.0.1", "port": fake.getsockname()[1],
-                                                  "cookie": cookie.hex()}))
-            threading.Thread(target=lambda: fake.accept()[0].sendall(b"x" * sockets.ACK_BYTES), daemon=True).start()
-            sockets.SocketLinks.form(False, 1, [2], store, "127.0.0.1", token, time.monotonic() + 5,
-                                     lambda: False, 5.0)
-
-
-def test_tcp_links_on_a_wildcard_host_listen_everywhere_and_publish_the_host_name_address() -> None:
-    """With ``host: 0.0.0.0`` an FFN rank's data port listens on every interface and publishes the
-    address its host name resolves to, as gloo names its own; the pair forms through it. Reached on
-    127.0.0.2, which a port bound to 127.0.0.1 alone would refuse."""
-    from afd_patches.connectors import sockets
-
-    store, token, deadline = _DictStore(), b"w" * 32, time.monotonic() + 20
-    formed: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: formed.setdefault("ffn", sockets.SocketLinks.form(
-        True, 0, [1], store, "0.0.0.0", token, deadline, lambda: False, 5.0)), daemon=True)
-    thread.start()
-    while not store.check([sockets.key(0)]):
-        time.sleep(0.01)
-    info = json.loads(store.get(sockets.key(0)))
-    assert info["host"] == socket.gethostbyname(socket.gethostname())
-    with socket.create_connection(("127.0.0.2", info["port"]), timeout=5) as s:  # a stranger, another address
-        s.sendall(b"\0" * sockets.HELLO.size)
-        assert s.recv(64) == b""  # reached the port, and dropped
-    attention = sockets.SocketLinks.form(False, 1, [0], store, "0.0.0.0", token, deadline, lambda: False, 5.0)
-    thread.join(10)
-    x = torch.arange(64, dtype=torch.float32)
-    formed["ffn"].send([x], 1)
-    got = torch.empty(64)
-    attention.recv([got], 0).wait(timedelta(seconds=5))
-    assert torch.equal(got, x)
-    formed["ffn"].shutdown()
-    attention.shutdown()

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from afd_patches.config import AfdConfig
-from afd_patches.connectors import auth, handshake
+from afd_patches.connectors import auth, rendezvous, wire
 from afd_patches.connectors.base import ConnectorError
-from afd_patches.connectors.torch_dist import DTYPE_CODES, HEADER_LEN, KIND_DATA, MAGIC, Header, TorchDistConnector
+from afd_patches.connectors.torch_dist import TorchDistConnector
 from harness.env import free_port
 from tests.afd.test_connector import (
     _CTX,
@@ -109,9 +109,10 @@ def hostile_header_worker(cfg: AfdConfig, shape: list[int], queue: Any) -> None:
     os.environ[auth.TOKEN_ENV] = TOKEN
     conn = TorchDistConnector(cfg)
     conn.init()
-    words = [MAGIC, KIND_DATA, 0, 0, DTYPE_CODES["float32"], len(shape), 0, *shape]
-    words += [0] * (HEADER_LEN - len(words))
-    conn._pg.send([torch.tensor(words, dtype=torch.int64).view(torch.uint8)], 0, 1).wait()
+    words = [wire.MAGIC, wire.KIND_DATA, 0, 0, 0, wire.DTYPE_CODES["float32"], len(shape), 0, *shape]
+    words += [0] * (wire.HEADER_LEN - len(words))
+    assert conn._transport is not None
+    conn._transport.send(0, words, None)
     time.sleep(3 * SLACK_S)  # stay connected: the FFN must fail on the header, not on a closed peer
     conn.close()
 
@@ -119,7 +120,7 @@ def hostile_header_worker(cfg: AfdConfig, shape: list[int], queue: Any) -> None:
 # --------------------------------------------------------------------------- tests
 def test_listener_binds_the_configured_host_only() -> None:
     port = free_port()
-    listener = handshake.listen(FFN_HOST, port)
+    listener = rendezvous.listen(FFN_HOST, port, "the group")
     try:
         assert listener.getsockname()[:2] == (FFN_HOST, port)
         with pytest.raises(ConnectionRefusedError):
@@ -143,24 +144,31 @@ def test_non_loopback_host_without_token_fails_fast(monkeypatch: pytest.MonkeyPa
 
 
 def test_header_bounds_before_allocation() -> None:
-    conn = TorchDistConnector(make_config("ffn", 0, 1), identity=IDENTITY)
-    ok = Header(KIND_DATA, 0, 0, (64, HIDDEN), "float32", False)
-    assert conn._check_header(ok, 1, "x") == 64 * HIDDEN * 4
-    for shape, dtype, words in [((1 << 40, HIDDEN), "float32", "max_num_batched_tokens=64"),
-                                ((4, HIDDEN + 1), "float32", f"not (tokens, {HIDDEN})"),
-                                ((4, HIDDEN), "float64", "dtype float64, expected float32"),
-                                ((4, HIDDEN, 2), "float32", "not (tokens"),
-                                ((-4, HIDDEN), "float32", "negative")]:
-        conn._broken = None
-        with pytest.raises(ConnectorError, match="nothing was allocated") as e:
-            conn._check_header(Header(KIND_DATA, 0, 0, shape, dtype, False), 1, "x")
+    """Every header field is judged before anything is allocated (``wire.Limits``), each problem named."""
+    limits = wire.Limits(num_layers=2, hidden_size=HIDDEN, dtype="float32", max_tokens=64)
+
+    def header(shape: tuple[int, ...], dtype: str = "float32", layer: int = 0, inline: bool = False,
+               step: int = 0, microbatch: int = 0) -> wire.Header:
+        return wire.Header(wire.KIND_DATA, layer, step, microbatch, shape, dtype, inline)
+
+    assert limits.check(header((64, HIDDEN))) == 64 * HIDDEN * 4
+    for bad, words in [(header((1 << 40, HIDDEN)), "max_num_batched_tokens=64"),
+                       (header((4, HIDDEN + 1)), f"is not (tokens, {HIDDEN})"),
+                       (header((4, HIDDEN), "float64"), "dtype float64, expected float32"),
+                       (header((4, HIDDEN, 2)), "is not (tokens"),
+                       (header((-4, HIDDEN)), "negative"),
+                       (header((4, HIDDEN), layer=-1), "layer -1 outside 0..1"),
+                       (header((4, HIDDEN), layer=2), "layer 2 outside 0..1"),
+                       (header((4, HIDDEN), microbatch=1), "micro-batch 1 outside 0..0"),
+                       (header((4, HIDDEN), step=-3), "step -3 is negative")]:
+        with pytest.raises(wire.BadMessage, match="refused before anything was allocated") as e:
+            limits.check(bad)
         assert words in str(e.value), e.value
-    bare = TorchDistConnector(make_config("ffn", 0, 1))  # no identity: only the size bound
-    with pytest.raises(ConnectorError, match="more than 1073741824"):
-        bare._check_header(Header(KIND_DATA, 0, 0, (1 << 20, 1 << 20), "float32", False), 1, "x")
-    with pytest.raises(ConnectorError, match="inline bytes"):
-        bare._broken = None
-        bare._check_header(Header(KIND_DATA, 0, 0, (1 << 20, 4), "float32", True), 1, "x")
+    bare = wire.Limits()  # no identity: only the size bound
+    with pytest.raises(wire.BadMessage, match="more than 1073741824"):
+        bare.check(header((1 << 20, 1 << 20)))
+    with pytest.raises(wire.BadMessage, match="inline bytes"):
+        bare.check(header((1 << 20, 4), inline=True))
 
 
 def test_hostile_tensor_header_fails_the_group_without_allocating() -> None:
@@ -171,8 +179,8 @@ def test_hostile_tensor_header_fails_the_group_without_allocating() -> None:
              start(hostile_header_worker, host_config("attention", port), [1 << 40, HIDDEN], queue)]
     res = collect(queue, {"ffn0"}, 30)["ffn0"]
     _join_all(procs, 20)
-    assert res["error"] == "ConnectorError" and "max_num_batched_tokens=64" in res["message"], res
-    assert "nothing was allocated" in res["message"]
+    assert res["error"] == "BadMessage" and "max_num_batched_tokens=64" in res["message"], res
+    assert "refused before anything was allocated" in res["message"]
 
 
 def test_scanner_then_the_real_peer_is_served_exactly() -> None:
