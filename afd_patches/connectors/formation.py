@@ -46,7 +46,7 @@ def form(conn: TorchDistConnector, deadline: float, wait_s: float) -> tuple[Tran
         except BaseException:
             listener.close()
             raise
-        group = rendezvous.new_group_id()
+        group = conn.group = rendezvous.new_group_id()
         addresses = {rank: j.hello.address for (role, rank), j in joined.items() if role == topology.FFN}
 
         def ffn_of(hello: Any) -> str:
@@ -69,6 +69,7 @@ def form(conn: TorchDistConnector, deadline: float, wait_s: float) -> tuple[Tran
     session, _, verdict = rendezvous.join(conn.host, cfg.port, conn._hello(), deadline, wait_s, conn._token,
                                           conn.cancelled)
     METRICS.add("handshakes_accepted")
+    conn.group = verdict["group"]
     if conn.backend != "tcp":
         session.close()
         return _torch_group(conn, verdict["group"], deadline, None, {}, None)
@@ -100,7 +101,7 @@ def _tcp_ffn(conn: TorchDistConnector, deadline: float, wait_s: float) -> Transp
         session, _, verdict = rendezvous.join(conn.host, cfg.port, conn._hello(address=advertised), deadline, wait_s,
                                               conn._token, conn.cancelled)
         session.close()
-        group = verdict["group"]
+        group = conn.group = verdict["group"]
         a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
         expected = {(topology.ATTENTION, i) for i in topology.attention_ranks_of(cfg.rank, a, f)}
         joined = rendezvous.collect(listener, conn._hello("data", group), expected, deadline, advertised, wait_s,

@@ -116,6 +116,7 @@ class TorchDistConnector(Connector):
             auth.check_policy(self.host, self._token, config.allow_unauthenticated)
         except (auth.TokenError, OSError) as e:
             raise ConnectorError(f"AFD rendezvous at {config.host}:{config.port}: {e}") from None
+        self.group = ""  # the id of the group formed last (``rendezvous``), for logs and tests
         self._transport: Transport | None = None
         self._heartbeat: liveness.Heartbeat | None = None
         self._pending: list[Any] = []  # send handles not yet known complete

@@ -137,7 +137,7 @@ def group_store(host: str, port: int, rank: int, group: str, key: bytes, timeout
         raw = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False, master_listen_fd=listen_fd)
     else:
         raw = dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
-    return raw, MacStore(dist.PrefixStore(f"afd/{group}/", raw), key)
+    return raw, MacStore(dist.PrefixStore(f"afd/{group}", raw), key)
 
 
 def build_group(store: MacStore, backend: str, rank: int, world_size: int, timeout_s: float) -> Any:
