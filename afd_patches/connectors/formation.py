@@ -19,30 +19,65 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from afd_patches import topology
 from afd_patches.connectors import auth, liveness, rendezvous
 from afd_patches.connectors.base import ConnectorError, ConnectorTimeout
-from afd_patches.connectors.session import Session
+from afd_patches.connectors.session import Session, listen
 from afd_patches.connectors.transport import Transport
 from afd_patches.metrics import METRICS
 
 if TYPE_CHECKING:
-    from afd_patches.connectors.torch_dist import TorchDistConnector
+    from collections.abc import Callable
+
+    import torch
+
+    from afd_patches.config import AfdConfig
+    from afd_patches.connectors.options import Options
+    from afd_patches.connectors.session import Hello
+
+
+class Member(Protocol):
+    """What formation reads of the rank it forms a group for (the connector is one)."""
+
+    config: AfdConfig
+    options: Options
+    role: str
+    global_rank: int
+    world_size: int
+    peers: list[int]
+    backend: str
+    device: torch.device
+    host: str
+    timeout_s: float
+    idle_timeout_s: float
+    inline_bytes: int
+    group: str
+    token: bytes | None
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def cancelled(self) -> Callable[[], bool]: ...
+
+    def hello(self, purpose: str = "group", group: str = "", address: str = "") -> Hello: ...
+
+    def me(self) -> str: ...
 
 WILDCARDS = ("0.0.0.0", "::")
 
 
-def form(conn: TorchDistConnector, deadline: float, wait_s: float) -> tuple[Transport, Any]:
+def form(conn: Member, deadline: float, wait_s: float) -> tuple[Transport, Any]:
     cfg = conn.config
     a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
     if conn.global_rank == 0:
-        listener = rendezvous.listen(conn.host, cfg.port, "the group")
+        listener = listen(conn.host, cfg.port, "the group")
         try:
             expected = {topology.role_of_global(g, a, f) for g in range(1, conn.world_size)}
-            joined = rendezvous.collect(listener, conn._hello(), expected, deadline, conn.address, wait_s,
-                                        conn._token, conn.cancelled)
+            joined = rendezvous.collect(listener, conn.hello(), expected, deadline, conn.address, wait_s,
+                                        conn.token, conn.cancelled)
         except BaseException:
             listener.close()
             raise
@@ -66,7 +101,7 @@ def form(conn: TorchDistConnector, deadline: float, wait_s: float) -> tuple[Tran
         return _torch_group(conn, group, deadline, listener, joined, ffn_of)
     if conn.backend == "tcp" and conn.role == topology.FFN:
         return _tcp_ffn(conn, deadline, wait_s), None
-    session, _, verdict = rendezvous.join(conn.host, cfg.port, conn._hello(), deadline, wait_s, conn._token,
+    session, _, verdict = rendezvous.join(conn.host, cfg.port, conn.hello(), deadline, wait_s, conn.token,
                                           conn.cancelled)
     METRICS.add("handshakes_accepted")
     conn.group = verdict["group"]
@@ -77,35 +112,35 @@ def form(conn: TorchDistConnector, deadline: float, wait_s: float) -> tuple[Tran
         return _tcp(conn, {conn.peers[0]: session}), None
     session.close()
     host, _, port = verdict["ffn"].rpartition(":")
-    data, _, _ = rendezvous.join(host.strip("[]"), int(port), conn._hello("data", verdict["group"]), deadline,
-                                  wait_s, conn._token, conn.cancelled)
+    data, _, _ = rendezvous.join(host.strip("[]"), int(port), conn.hello("data", verdict["group"]), deadline,
+                                  wait_s, conn.token, conn.cancelled)
     return _tcp(conn, {conn.peers[0]: data}), None
 
 
-def _tcp(conn: TorchDistConnector, sessions: dict[int, Session]) -> Transport:
+def _tcp(conn: Member, sessions: dict[int, Session]) -> Transport:
     from afd_patches.connectors.tcp import TcpTransport
 
     return TcpTransport({peer: s.detach() for peer, s in sessions.items()}, conn.timeout_s,
                         liveness.interval_for(conn.timeout_s))
 
 
-def _tcp_ffn(conn: TorchDistConnector, deadline: float, wait_s: float) -> Transport:
+def _tcp_ffn(conn: Member, deadline: float, wait_s: float) -> Transport:
     """An FFN rank other than 0 on tcp: listen for data sessions, join FFN rank 0, admit the served ranks."""
     cfg, opts = conn.config, conn.options
     bind = conn.host if conn.host in WILDCARDS else _local_address(conn.host)
-    listener = rendezvous.listen(bind, opts.data_port, "data sessions")
+    listener = listen(bind, opts.data_port, "data sessions")
     try:
         host, port = opts.advertise or (
             socket.gethostbyname(socket.gethostname()) if bind in WILDCARDS else bind, listener.getsockname()[1])
         advertised = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        session, _, verdict = rendezvous.join(conn.host, cfg.port, conn._hello(address=advertised), deadline, wait_s,
-                                              conn._token, conn.cancelled)
+        session, _, verdict = rendezvous.join(conn.host, cfg.port, conn.hello(address=advertised), deadline, wait_s,
+                                              conn.token, conn.cancelled)
         session.close()
         group = conn.group = verdict["group"]
         a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
         expected = {(topology.ATTENTION, i) for i in topology.attention_ranks_of(cfg.rank, a, f)}
-        joined = rendezvous.collect(listener, conn._hello("data", group), expected, deadline, advertised, wait_s,
-                                    conn._token, conn.cancelled, group=group)
+        joined = rendezvous.collect(listener, conn.hello("data", group), expected, deadline, advertised, wait_s,
+                                    conn.token, conn.cancelled, group=group)
     finally:
         listener.close()
     rendezvous.accept(joined, group, lambda hello: "")
@@ -121,19 +156,19 @@ def _local_address(host: str) -> str:
         return str(probe.getsockname()[0])
 
 
-def _torch_group(conn: TorchDistConnector, group: str, deadline: float, listener: socket.socket | None,
+def _torch_group(conn: Member, group: str, deadline: float, listener: socket.socket | None,
                  joined: dict[Any, Any], ffn_of: Any) -> tuple[Transport, Any]:
     """gloo/NCCL: the group's store (FFN rank 0 serves it on ``listener``), the MAC'd group over it, warm-up."""
     from afd_patches.connectors.torch_group import TorchGroupTransport, build_group, group_store
 
     cfg = conn.config
     remaining = max(deadline - time.monotonic(), 1.0)
-    key = auth.group_key(conn._token, group)
+    key = auth.group_key(conn.token, group)
     try:
         raw, store = group_store(conn.host, cfg.port, conn.global_rank, group, key, remaining,
                                  listener.detach() if listener is not None else None)
     except (RuntimeError, ValueError) as e:
-        message = f"AFD {conn._me()}: could not open the group's store at {conn.address}: {e}"
+        message = f"AFD {conn.me()}: could not open the group's store at {conn.address}: {e}"
         rendezvous.refuse(joined, "error", message)
         raise ConnectorError(message) from e
     rendezvous.accept(joined, group, ffn_of)
@@ -145,7 +180,7 @@ def _torch_group(conn: TorchDistConnector, group: str, deadline: float, listener
                "without the group's token)") if store.tampered else f"{type(e).__name__}: {e}"
         late = store.tampered is None and time.monotonic() >= deadline
         raise (ConnectorTimeout if late else ConnectorError)(
-            f"AFD connector init failed for {conn._me()}: could not form the {conn.backend} group of "
+            f"AFD connector init failed for {conn.me()}: could not form the {conn.backend} group of "
             f"{conn.world_size} ranks at {conn.address}: {why}") from e
     transport = TorchGroupTransport(pg, conn.backend, conn.device, conn.timeout_s, conn.inline_bytes, raw)
     try:

@@ -41,7 +41,6 @@ from afd_patches.connectors.session import POLL_S, Gate, Hello, Joined, Session,
 
 logger = logging.getLogger("afd")
 
-BACKLOG = 256
 _KINDS: dict[str, type[ConnectorError]] = {
     "mismatch": ConnectorMismatch,
     "timeout": ConnectorTimeout,
@@ -68,19 +67,6 @@ def device_clash(a: Hello, b: Hello) -> str:
     return (f"{a.who} and {b.who} both use GPU {a.device}, and NCCL cannot put two ranks of one group on one "
             "GPU; give each engine its own GPU (CUDA_VISIBLE_DEVICES per engine, or connector_extra_config "
             "device), or set connector_extra_config backend: gloo on a single-GPU test box")
-
-
-def listen(address: str, port: int, what: str) -> socket.socket:
-    """Listen on ``address:port`` only (every interface only for ``0.0.0.0`` / ``::``); fail at once if taken."""
-    shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-    try:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        return socket.create_server((address, port), family=family, backlog=BACKLOG)
-    except OSError as e:
-        if e.errno == 98:  # EADDRINUSE
-            raise ConnectorError(f"AFD: cannot host {what} at {shown}: port {port} is already in use by another "
-                                 "program (EADDRINUSE); stop it or give every engine of the group another port") from e
-        raise ConnectorError(f"AFD: cannot host {what} at {shown}: {e}") from e
 
 
 def collect(listener: socket.socket, own: Hello, expected: set[tuple[str, int]], deadline: float, address: str,

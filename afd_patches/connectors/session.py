@@ -38,6 +38,7 @@ Limits
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -207,6 +208,19 @@ class Session:
 
 
 # ------------------------------------------------------------------ host side
+def listen(address: str, port: int, what: str) -> socket.socket:
+    """Listen on ``address:port`` only (every interface only for ``0.0.0.0`` / ``::``); fail at once if taken."""
+    shown = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    try:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        return socket.create_server((address, port), family=family, backlog=BACKLOG)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ConnectorError(f"AFD: cannot host {what} at {shown}: port {port} is already in use by another "
+                                 "program (EADDRINUSE); stop it or give every engine of the group another port") from e
+        raise ConnectorError(f"AFD: cannot host {what} at {shown}: {e}") from e
+
+
 @dataclass
 class Joined:
     session: Session

@@ -111,9 +111,9 @@ class TorchDistConnector(Connector):
         self.limits = wire.Limits(ident.get("num_hidden_layers"), ident.get("hidden_size"), ident.get("dtype"),
                                   ident.get("max_num_batched_tokens"), 1, self.inline_bytes)
         try:
-            self._token = auth.load_token(config.token_file)
+            self.token = auth.load_token(config.token_file)
             self.host = auth.resolve(config.host)
-            auth.check_policy(self.host, self._token, config.allow_unauthenticated)
+            auth.check_policy(self.host, self.token, config.allow_unauthenticated)
         except (auth.TokenError, OSError) as e:
             raise ConnectorError(f"AFD rendezvous at {config.host}:{config.port}: {e}") from None
         self.group = ""  # the id of the group formed last (``rendezvous``), for logs and tests
@@ -139,10 +139,10 @@ class TorchDistConnector(Connector):
         role, rank = topology.role_of_global(peer, self.config.num_attention_ranks, self.config.num_ffn_ranks)
         return f"{role} rank {rank} (global rank {peer} of {self.world_size}, group at {self.address})"
 
-    def _me(self) -> str:
+    def me(self) -> str:
         return f"{self.role} rank {self.config.rank} (global rank {self.global_rank})"
 
-    def _hello(self, purpose: str = "group", group: str = "", address: str = "") -> Hello:
+    def hello(self, purpose: str = "group", group: str = "", address: str = "") -> Hello:
         from afd_patches.connectors.torch_group import device_identity
 
         fields: dict[str, Any] = {"num_attention_ranks": self.config.num_attention_ranks,
@@ -167,7 +167,7 @@ class TorchDistConnector(Connector):
         with self._lock:
             if self._cancel.is_set():
                 transport.close(clean=False)
-                raise ConnectorError(f"AFD connector init of {self._me()} was cancelled by close()")
+                raise ConnectorError(f"AFD connector init of {self.me()} was cancelled by close()")
             self._transport = transport
         if store is not None:
             beat = liveness.Heartbeat(store, self.global_rank, list(self.peers), self.timeout_s, self._on_lost,
@@ -182,7 +182,7 @@ class TorchDistConnector(Connector):
     def _on_lost(self, peer: int, why: str) -> None:
         """Heartbeat thread: ``peer`` is gone; interrupt a wait on it."""
         self._lost[peer] = why
-        logger.warning("AFD %s: lost %s: %s", self._me(), self.describe(peer), why)
+        logger.warning("AFD %s: lost %s: %s", self.me(), self.describe(peer), why)
         if self._transport is not None:
             self._transport.interrupt(peer)
 
@@ -224,24 +224,24 @@ class TorchDistConnector(Connector):
     # ------------------------------------------------------------ plumbing
     def _check(self, role: str) -> Transport:
         if self.role != role:
-            raise ConnectorError(f"{self._me()} cannot call a {role}-side method")
+            raise ConnectorError(f"{self.me()} cannot call a {role}-side method")
         if self._cancel.is_set():
-            raise ConnectorClosed(f"AFD connector of {self._me()} was closed by this side")
+            raise ConnectorClosed(f"AFD connector of {self.me()} was closed by this side")
         lost = next((p for p in self.peers if p in self._lost), None)
         if lost is not None and self._broken is None:
             self._broken = f"lost {self.describe(lost)}"
-            raise PeerSilent(lost, f"AFD {self._me()}: lost {self.describe(lost)}: {self._lost[lost]}")
+            raise PeerSilent(lost, f"AFD {self.me()}: lost {self.describe(lost)}: {self._lost[lost]}")
         if self._broken is not None:
-            raise ConnectorError(f"AFD connector of {self._me()} is unusable: {self._broken}")
+            raise ConnectorError(f"AFD connector of {self.me()} is unusable: {self._broken}")
         if self._transport is None:
-            raise ConnectorError(f"AFD connector of {self._me()} is not initialised (call init())")
+            raise ConnectorError(f"AFD connector of {self.me()} is not initialised (call init())")
         return self._transport
 
     def _io(self, what: str, peer: int, call: Callable[[], Any]) -> Any:
         """Run one transport call, counted as a wait ``close()`` interrupts; errors named and typed."""
         with self._lock:
             if self._cancel.is_set():
-                raise ConnectorClosed(f"AFD connector of {self._me()} was closed by this side")
+                raise ConnectorClosed(f"AFD connector of {self.me()} was closed by this side")
             self._busy += 1
         try:
             return call()
@@ -254,7 +254,7 @@ class TorchDistConnector(Connector):
     def _fail(self, err: ConnectorError, peer: int, what: str) -> ConnectorError:
         """Mark the connector broken; ``err`` (typed, see ``transport``) with this rank, the peer and ``what``."""
         self._broken = f"{type(err).__name__} with {self.describe(peer)}"
-        me, who = self._me(), self.describe(peer)
+        me, who = self.me(), self.describe(peer)
         if self._cancel.is_set():
             return ConnectorClosed(f"AFD {me}: closed by this side while waiting for {what}")
         if isinstance(err, LinkInterrupted) and peer in self._lost:
@@ -312,11 +312,11 @@ class TorchDistConnector(Connector):
         if header.kind == wire.KIND_CLOSE:
             self._closed_peers.add(peer)
             self._broken = f"{self.describe(peer)} closed"
-            raise ConnectorClosed(f"AFD {self._me()}: {self.describe(peer)} closed while {what} was awaited")
+            raise ConnectorClosed(f"AFD {self.me()}: {self.describe(peer)} closed while {what} was awaited")
         self._drain()
         if (header.layer, header.step) != (layer, step):
             self._broken = "layer/step mismatch"
-            raise ConnectorError(f"AFD {self._me()}: expected {what}, got layer {header.layer} step {header.step} "
+            raise ConnectorError(f"AFD {self.me()}: expected {what}, got layer {header.layer} step {header.step} "
                                  f"from {self.describe(peer)}")
         out = self._payload(transport, peer, header, what)
         self.messages_received += 1
@@ -338,11 +338,11 @@ class TorchDistConnector(Connector):
             got = schedule.SCHEDULES[self.schedule](_Inbox(self, transport))
         except ConnectorClosed:
             self._broken = "all served attention ranks closed"
-            raise ConnectorClosed(f"AFD {self._me()}: every served attention rank closed") from None
+            raise ConnectorClosed(f"AFD {self.me()}: every served attention rank closed") from None
         except ConnectorError as e:
             if self._broken is None:
                 self._broken = str(e)
-                raise type(e)(f"AFD {self._me()}: {e}") from e
+                raise type(e)(f"AFD {self.me()}: {e}") from e
             raise
         self._drain()
         first = got[0][1]
@@ -362,7 +362,7 @@ class TorchDistConnector(Connector):
         to the ranks whose inputs the last ``recv_attn_output`` returned)."""
         transport = self._check(topology.FFN)
         if len(outputs) != len(self.peers):
-            raise ConnectorError(f"AFD {self._me()}: {len(outputs)} outputs for {len(self.peers)} attention ranks")
+            raise ConnectorError(f"AFD {self.me()}: {len(outputs)} outputs for {len(self.peers)} attention ranks")
         # The FFN's own time stops here: a send that wakes the attention rank can hand it this core.
         elapsed = time.perf_counter() - self._received_at
         self._drain()

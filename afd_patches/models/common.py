@@ -45,12 +45,11 @@ import torch
 from torch import nn
 
 from afd_patches.config import AfdConfig, from_additional_config
+from afd_patches.topology import ATTENTION, FFN
 
 if TYPE_CHECKING:
     from afd_patches.connectors.base import Connector
 
-ATTENTION = "attention"
-FFN = "ffn"
 
 
 class AfdLink:

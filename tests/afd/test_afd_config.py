@@ -12,7 +12,7 @@ from afd_patches.config import AfdConfig, AfdConfigError, from_additional_config
 
 
 def test_aliases_are_normalized_and_defaults_filled(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("AFD_TOKEN", "x" * 32)  # 10.0.0.1 is not loopback: a token is required
+    monkeypatch.setenv("AFD_TOKEN", "5b2e9f07c4d18a63e0f7b1c92d4a8e36")  # 10.0.0.1 is not loopback: a token is required
     cfg = parse({"afd_role": "attention", "afd_host": "10.0.0.1", "afd_port": 4000, "num_attention_ranks": 2,
                  "rank": 1})
     assert cfg == AfdConfig(role="attention", host="10.0.0.1", port=4000, num_attention_ranks=2, rank=1)
@@ -103,7 +103,7 @@ def test_the_modules_every_process_imports_leave_the_config_machinery_unloaded()
 
 
 # ------------------------------------------------------------------ rendezvous token
-TOKEN = "0123456789abcdef0123456789abcdef"
+TOKEN = "8d1f0c3ea47b95e2d6c8a1b07f3e4c59"  # 128 bits by the estimate (auth.estimated_bits)
 
 
 @pytest.fixture
@@ -167,7 +167,7 @@ def test_token_file_refusals(tmp_path, no_token: None) -> None:
     short = tmp_path / "short"
     short.write_text("abc")
     short.chmod(0o600)
-    _refused(str(short), "fewer than 16")
+    _refused(str(short), "fewer than 128")
     _refused(str(tmp_path / "missing"), "cannot open")
     big = tmp_path / "big"
     big.write_text("x" * 5000)

@@ -405,7 +405,7 @@ def test_schedule_must_be_known_and_pingpong_needs_gloo() -> None:
         TorchDistConnector(make_config("ffn", 0, 1, schedule="pingpong", backend="nccl", inline_bytes=0,
                                        device="cpu"))
     conn = TorchDistConnector(make_config("attention", 0, 1, schedule="pingpong"))
-    assert conn.schedule == "pingpong" and conn._hello().fields["schedule"] == "pingpong"
+    assert conn.schedule == "pingpong" and conn.hello().fields["schedule"] == "pingpong"
 
 
 def test_2a1f_rank_that_closes_early_leaves_the_other_served() -> None:
