@@ -6,7 +6,7 @@ engine would pass them), initializes a one-rank gloo parallel state, and calls
 the model loader's ``create_model`` under the loader's own default dtype and
 target device, inside ``AllocationCounter``. No weights are loaded and no engine
 is started. Each role is measured against the parameter bytes of a plain vLLM
-build of the same checkpoint, split into FFN (``.mlp.`` of a decoder layer) and
+build of the same checkpoint, split into FFN (``.mlp.`` or ``.block_sparse_moe.`` of a decoder layer) and
 non-FFN parameters.
 
 ``AllocationCounter`` is a ``TorchDispatchMode``: every ATen call's outputs
@@ -40,7 +40,7 @@ from harness.engine import ARCH
 from harness.env import free_port
 
 ROLES = ("plain", "attention", "ffn")
-_FFN_PARAM = re.compile(r"(^|\.)layers\.\d+\.mlp\.")
+_FFN_PARAM = re.compile(r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)\.")  # the FFN attribute names of the families
 
 
 class AllocationCounter(TorchDispatchMode):
@@ -73,7 +73,7 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 
 def param_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of ``model``'s parameters (each storage once): FFN (decoder layers' ``mlp``) and the rest."""
+    """Bytes of ``model``'s parameters (each storage once): FFN (decoder layers' ``_FFN_PARAM``) and the rest."""
     seen: set[int] = set()
     out = {"ffn": 0, "non_ffn": 0}
     for name, p in model.named_parameters(remove_duplicate=False):

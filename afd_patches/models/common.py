@@ -209,6 +209,20 @@ def build_dense_mlp(mlp_cls: type[nn.Module], vllm_config: Any, prefix: str, **e
                    hidden_act=config.hidden_act, quant_config=vllm_config.quant_config, prefix=prefix, **extra)
 
 
+def copy_expert_counts(model: nn.Module, blocks: list[nn.Module], num_shared_experts: int = 0) -> None:
+    """Set the expert counts a vLLM ``MixtureOfExperts`` model reads from its first MoE block's ``n_*``
+    attributes, as vLLM's Mixtral/Qwen3-MoE ``__init__`` do (one expert group; no-op without ``blocks``)."""
+    model.num_expert_groups = 1
+    model.num_shared_experts = num_shared_experts
+    if blocks:
+        first = blocks[0]
+        model.num_logical_experts = first.n_logical_experts
+        model.num_physical_experts = first.n_physical_experts
+        model.num_local_physical_experts = first.n_local_physical_experts
+        model.num_routed_experts = first.n_routed_experts
+        model.num_redundant_experts = first.n_redundant_experts
+
+
 class AfdCausalLMMixin(nn.Module):
     """Role split for a vLLM ``*ForCausalLM``; put it before the vLLM class in the bases.
 
