@@ -60,3 +60,5 @@ def test_each_role_allocates_only_its_own_parameters(workdir: Path, family: str)
 
     assert ffn_role["params_held"] == ffn
     assert ffn_role["allocated"] <= SLACK * ffn, f"{family} FFN role allocated {ffn_role['allocated']} bytes"
+    print(f"{family}: attention role allocated {attn['allocated'] / non_ffn:.3f}x its non-FFN parameters, "
+          f"FFN role {ffn_role['allocated'] / ffn:.3f}x its FFN parameters")
