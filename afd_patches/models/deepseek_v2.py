@@ -119,4 +119,7 @@ class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
 
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM, DeepseekV3ForCausalLM):
-    """DeepSeek-V3 with AFD; vLLM's ``DeepseekV3ForCausalLM`` is its V2 class under another name."""
+    """DeepSeek-V3 (and Kimi-K2, same architecture) with AFD; vLLM's ``DeepseekV3ForCausalLM`` is its V2 class
+    under another name. V3's routing -- ``noaux_tc`` sigmoid scores with the router's
+    ``e_score_correction_bias``, ``n_group``/``topk_group`` group-limited top-k, ``routed_scaling_factor`` --
+    all lives in ``DeepseekV2MoE``, so it runs on the FFN role exactly as vLLM runs it."""
