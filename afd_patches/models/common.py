@@ -211,16 +211,12 @@ def build_dense_mlp(mlp_cls: type[nn.Module], vllm_config: Any, prefix: str, **e
 
 def copy_expert_counts(model: nn.Module, blocks: list[nn.Module], num_shared_experts: int = 0) -> None:
     """Set the expert counts a vLLM ``MixtureOfExperts`` model reads from its first MoE block's ``n_*``
-    attributes, as vLLM's Mixtral/Qwen3-MoE ``__init__`` do (one expert group; no-op without ``blocks``)."""
+    attributes (every block has the same), as vLLM's Mixtral/Qwen3-MoE/ERNIE-4.5-MoE ``__init__`` do: one
+    expert group, ``num_shared_experts`` as given; all counts 0 without ``blocks``."""
     model.num_expert_groups = 1
     model.num_shared_experts = num_shared_experts
-    if blocks:
-        first = blocks[0]
-        model.num_logical_experts = first.n_logical_experts
-        model.num_physical_experts = first.n_physical_experts
-        model.num_local_physical_experts = first.n_local_physical_experts
-        model.num_routed_experts = first.n_routed_experts
-        model.num_redundant_experts = first.n_redundant_experts
+    for count in ("logical", "physical", "local_physical", "routed", "redundant"):
+        setattr(model, f"num_{count}_experts", getattr(blocks[0], f"n_{count}_experts") if blocks else 0)
 
 
 def adopt_moe_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
