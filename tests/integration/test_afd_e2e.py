@@ -145,8 +145,9 @@ def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
           f"attention {attn['seconds']}, ffn {ffn['seconds']}, steps {attn['stats'][0]['steps']}")
 
 
-@pytest.mark.parametrize("schedule", ["batched", "pingpong"])
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family,schedule", [
+    ("llama", "batched"), ("llama", "pingpong"), ("qwen3_moe", "batched"), ("qwen3_moe", "pingpong"),
+    ("glm4_moe", "batched")])
 def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
     """Two attention engines with the same workload share one FFN engine (batched: one FFN call per layer
     over both; pingpong: one per engine and layer, as each arrives)."""
