@@ -34,8 +34,9 @@ COMMON = dict(
 DROP = "<drop>"  # a field value that removes the field from COMMON
 _MLA = {"q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
         "v_head_dim": 32, "num_key_value_heads": 2, "head_dim": DROP}
-# family -> (transformers class prefix, config fields over COMMON). Routers with an
-# ``e_score_correction_bias`` get a random one (see ``build``), so bias-corrected routing is exercised.
+# family -> (transformers class prefix P, config fields over COMMON): the checkpoint is a P``ForCausalLM``
+# and its AFD architecture ``AFD``P``ForCausalLM`` (``harness.engine.ARCH``; the tests cover every family
+# here). Routers with an ``e_score_correction_bias`` get a random one (see ``build``), so it counts.
 FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
     "llama": ("Llama", {}),
     "qwen3": ("Qwen3", {}),
