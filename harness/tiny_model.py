@@ -24,7 +24,9 @@ experts), whose MLP/expert parameters are over 90 % of the model's.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
 COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -65,6 +67,12 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
         "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64, "rotary_dim": 16,
         "scoring_func": "softmax", "use_routing_bias": True, "use_qk_norm": True, "bos_token_id": 1,
         "eos_token_id": 2}),
+    # Step-3 (no transformers class: written by ``_step3_text_tensors``): layer 0 dense, layer 1 MoE with
+    # its shared expert; one KV head of 32, a 64-wide shared query projected to 2 heads (``wq``).
+    "step3_text": ("Step3Text", {
+        "model_type": "step3_text", "moe_num_experts": 4, "moe_top_k": 2, "moe_intermediate_size": 32,
+        "share_expert_dim": 32, "share_q_dim": 64, "norm_expert_weight": True, "moe_layers_enum": "1",
+        "max_position_embedding": 256, "rope_theta": 500000.0, "num_key_value_heads": DROP}),
 }
 ARCHES = tuple(FAMILIES)
 WIDE: dict[str, dict[str, int]] = {  # vocab 2048 and 64 positions: the rotary cache stays under 2 % of the rest
@@ -83,7 +91,41 @@ WIDE: dict[str, dict[str, int]] = {  # vocab 2048 and 64 positions: the rotary c
                     "moe_num_experts": 128, "moe_intermediate_size": 128},
     "minimax_m2": {"vocab_size": 2048, "max_position_embeddings": 64, "num_local_experts": 128,
                    "intermediate_size": 96},
+    "step3_text": {"vocab_size": 2048, "max_position_embedding": 64, "intermediate_size": 16384,
+                   "moe_num_experts": 128, "moe_intermediate_size": 96},
 }
+
+
+def _step3_text_tensors(c: dict[str, Any], torch: Any) -> dict[str, Any]:
+    """Step-3's checkpoint tensors under the names vLLM's ``Step3TextModel.load_weights`` reads: separate
+    q/k/v projections (q ``share_q_dim`` wide), dense ``mlp`` or ``moe`` (router ``gate``; experts stacked
+    as 3-D ``gate_proj``/``up_proj``/``down_proj``) plus ``share_expert``; norms are ones."""
+    h, hd, heads, q = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["share_q_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], h),
+                                          "lm_head.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
+    moe_layers = {int(i) for i in c["moe_layers_enum"].split(",")}
+    for i in range(c["num_hidden_layers"]):
+        base = f"model.layers.{i}."
+        shapes.update({f"{base}input_layernorm.weight": (h,), f"{base}post_attention_layernorm.weight": (h,),
+                       f"{base}self_attn.q_proj.weight": (q, h), f"{base}self_attn.k_proj.weight": (hd, h),
+                       f"{base}self_attn.v_proj.weight": (hd, h), f"{base}self_attn.inter_norm.weight": (q,),
+                       f"{base}self_attn.wq.weight": (heads * hd, q),
+                       f"{base}self_attn.o_proj.weight": (h, heads * hd)})
+        if i in moe_layers:
+            e, m, s = c["moe_num_experts"], c["moe_intermediate_size"], c["share_expert_dim"]
+            shapes.update({f"{base}moe.gate.weight": (e, h), f"{base}moe.gate_proj.weight": (e, m, h),
+                           f"{base}moe.up_proj.weight": (e, m, h), f"{base}moe.down_proj.weight": (e, h, m),
+                           f"{base}share_expert.gate_proj.weight": (s, h), f"{base}share_expert.up_proj.weight": (s, h),
+                           f"{base}share_expert.down_proj.weight": (h, s)})
+        else:
+            n = c["intermediate_size"]
+            shapes.update({f"{base}mlp.gate_proj.weight": (n, h), f"{base}mlp.up_proj.weight": (n, h),
+                           f"{base}mlp.down_proj.weight": (h, n)})
+    return {name: torch.ones(shape) if len(shape) == 1 else torch.randn(shape) * c["initializer_range"]
+            for name, shape in shapes.items()}
+
+
+HAND_BUILT = {"Step3Text": _step3_text_tensors}  # class prefix -> tensors, for families transformers lacks
 
 
 def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False) -> Path:
@@ -101,7 +143,15 @@ def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False) -> 
     torch.manual_seed(seed)
     name, fields = FAMILIES[arch]
     merged = {**COMMON, **fields, **(WIDE[arch] if wide else {})}
-    config = getattr(transformers, f"{name}Config")(**{k: v for k, v in merged.items() if v != DROP})
+    merged = {k: v for k, v in merged.items() if v != DROP}
+    if name in HAND_BUILT:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(HAND_BUILT[name](merged, torch), str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps({"architectures": [f"{name}ForCausalLM"], **merged}))
+        return out
+    config = getattr(transformers, f"{name}Config")(**merged)
     model = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():
         for p in model.parameters():

@@ -116,10 +116,13 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
+_FFN_ATTRS = ("mlp", "experts", "block_sparse_moe", "moe", "share_expert")  # the families' FFN module names
+
+
 def _param_summary(model: torch.nn.Module) -> dict[str, Any]:
     names = [n for n, _ in model.named_parameters()]
     return {
-        "mlp_param_names": [n for n in names if ".mlp." in n or ".experts." in n or ".block_sparse_moe." in n],
+        "mlp_param_names": [n for n in names if any(f".{attr}." in n for attr in _FFN_ATTRS)],
         "attn_param_names": [n for n in names if ".self_attn." in n or "embed_tokens" in n or "lm_head" in n],
     }
 
