@@ -16,9 +16,13 @@ the role from ``vllm_config.additional_config["afd"]`` and:
   the post-attention-norm hidden states through the connector and returns what
   comes back. ``load_weights`` drops the FFN weights before delegating to vLLM.
 - FFN role: builds only ``model.layers[i].<afd_ffn_attr>`` (via the subclass's
-  ``afd_build_ffn``), so parameter names match the checkpoint, and loads only
-  those weights. ``afd_ffn(layer, x)`` runs one layer's FFN; ``forward`` is
-  not available.
+  ``afd_build_ffn``; ``afd_build_ffn_layer`` for a layer with several FFN
+  modules), so parameter names match the checkpoint, and loads only those
+  weights. ``afd_ffn(layer, x)`` runs one layer's FFN; ``forward`` is not
+  available.
+- A decoder layer that builds a second FFN module and adds its output to the
+  first's (Step-3's ``share_expert``) names it in ``afd_folded_ffn_attrs``: its
+  proxy returns zeros without exchanging, and the FFN role computes the sum.
 
 Limits: no pipeline parallelism (every layer must be local), no torch.compile
 or CUDA graphs on the attention side (the exchange is a Python-level call;
