@@ -6,8 +6,8 @@ engine would pass them), initializes a one-rank gloo parallel state, and calls
 the model loader's ``create_model`` under the loader's own default dtype and
 target device, inside ``AllocationCounter``. No weights are loaded and no engine
 is started. Each role is measured against the parameter bytes of a plain vLLM
-build of the same checkpoint, split into FFN (a decoder layer's ``mlp``,
-``block_sparse_moe``, ``moe``, ``share_expert``) and non-FFN parameters.
+build of the same checkpoint, split into FFN (a decoder layer's modules named in
+``afd_patches.workers.common.FFN_ATTRS``) and non-FFN parameters.
 
 ``AllocationCounter`` is a ``TorchDispatchMode``: every ATen call's outputs
 whose storage is not one of its inputs' storages count as new allocations, on
@@ -36,11 +36,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from afd_patches.workers.common import FFN_ATTRS
 from harness.engine import ARCH
 from harness.env import free_port
 
 ROLES = ("plain", "attention", "ffn")
-FFN_PARAM = re.compile(r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe|moe|share_expert)\.")  # the families' FFN names
+FFN_PARAM = re.compile(rf"(^|\.)layers\.\d+\.({'|'.join(FFN_ATTRS)})\.")  # a decoder layer's FFN parameter
 
 
 class AllocationCounter(TorchDispatchMode):
