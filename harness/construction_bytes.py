@@ -6,8 +6,8 @@ engine would pass them), initializes a one-rank gloo parallel state, and calls
 the model loader's ``create_model`` under the loader's own default dtype and
 target device, inside ``AllocationCounter``. No weights are loaded and no engine
 is started. Each role is measured against the parameter bytes of a plain vLLM
-build of the same checkpoint, split into FFN (``.mlp.`` of a decoder layer) and
-non-FFN parameters.
+build of the same checkpoint, split into FFN (a decoder layer's modules named in
+``afd_patches.workers.common.FFN_ATTRS``) and non-FFN parameters.
 
 ``AllocationCounter`` is a ``TorchDispatchMode``: every ATen call's outputs
 whose storage is not one of its inputs' storages count as new allocations, on
@@ -36,11 +36,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from afd_patches.workers.common import FFN_ATTRS
 from harness.engine import ARCH
 from harness.env import free_port
 
 ROLES = ("plain", "attention", "ffn")
-_FFN_PARAM = re.compile(r"(^|\.)layers\.\d+\.mlp\.")
+FFN_PARAM = re.compile(rf"(^|\.)layers\.\d+\.({'|'.join(FFN_ATTRS)})\.")  # a decoder layer's FFN parameter
 
 
 class AllocationCounter(TorchDispatchMode):
@@ -73,14 +74,14 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 
 def param_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of ``model``'s parameters (each storage once): FFN (decoder layers' ``mlp``) and the rest."""
+    """Bytes of ``model``'s parameters (each storage once): FFN (decoder layers' ``FFN_PARAM``) and the rest."""
     seen: set[int] = set()
     out = {"ffn": 0, "non_ffn": 0}
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.device.type == "meta" or p.untyped_storage().data_ptr() in seen:
             continue
         seen.add(p.untyped_storage().data_ptr())
-        out["ffn" if _FFN_PARAM.search(name) else "non_ffn"] += p.untyped_storage().nbytes()
+        out["ffn" if FFN_PARAM.search(name) else "non_ffn"] += p.untyped_storage().nbytes()
     return out
 
 

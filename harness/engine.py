@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.env import REPO, vllm_env
+from harness.tiny_model import FAMILIES
 
-ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3": "AFDQwen3ForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM",
-        "deepseek_v2": "AFDDeepseekV2ForCausalLM"}
+ARCH = {family: f"AFD{cls}ForCausalLM" for family, (cls, _) in FAMILIES.items()}  # family -> AFD architecture
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 4], [250, 251, 252, 253, 254, 255, 256, 7]]
 ENGINE_TIMEOUT_S = 300.0
 

@@ -16,9 +16,13 @@ the role from ``vllm_config.additional_config["afd"]`` and:
   the post-attention-norm hidden states through the connector and returns what
   comes back. ``load_weights`` drops the FFN weights before delegating to vLLM.
 - FFN role: builds only ``model.layers[i].<afd_ffn_attr>`` (via the subclass's
-  ``afd_build_ffn``), so parameter names match the checkpoint, and loads only
-  those weights. ``afd_ffn(layer, x)`` runs one layer's FFN; ``forward`` is
-  not available.
+  ``afd_build_ffn``; ``afd_build_ffn_layer`` for a layer with several FFN
+  modules), so parameter names match the checkpoint, and loads only those
+  weights. ``afd_ffn(layer, x)`` runs one layer's FFN; ``forward`` is not
+  available.
+- A decoder layer that builds a second FFN module and adds its output to the
+  first's (Step-3's ``share_expert``) names it in ``afd_folded_ffn_attrs``: its
+  proxy returns zeros without exchanging, and the FFN role computes the sum.
 
 Limits: no pipeline parallelism (every layer must be local), no torch.compile
 or CUDA graphs on the attention side (the exchange is a Python-level call;
@@ -61,8 +65,10 @@ class AfdLink:
     never interleave on the connector.
     """
 
-    def __init__(self, num_layers: int = 0, hidden_size: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, num_layers: int = 0, hidden_size: int = 0, dtype: torch.dtype = torch.float32,
+                 folded_attrs: frozenset[str] = frozenset()) -> None:
         self.connector: Connector | None = None
+        self.folded_attrs = folded_attrs  # FFN modules whose proxies add nothing (``afd_folded_ffn_attrs``)
         self.step = -1
         self.exchanges = 0
         self.idle_steps = 0
@@ -112,18 +118,26 @@ class AfdLink:
 
 
 class AfdFfnProxy(nn.Module):
-    """Stands in for a decoder layer's MLP/MoE on the attention role; holds no parameters."""
+    """Stands in for a decoder layer's MLP/MoE on the attention role; holds no parameters.
 
-    def __init__(self, link: AfdLink, layer: int) -> None:
+    ``folded``: it stands for a module whose output the FFN role adds into the exchanged one (a
+    shared expert that vLLM's decoder layer sums with the MoE output), so it returns zeros and
+    exchanges nothing; the decoder layer's sum then equals the FFN role's exactly (``0 + y == y``).
+    """
+
+    def __init__(self, link: AfdLink, layer: int, folded: bool = False) -> None:
         nn.Module.__init__(self)  # not super(): in a proxy_type the FFN class follows in the MRO
         self.layer = layer
+        self.folded = folded
         self._link = link  # a plain object, not a submodule
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.folded:
+            return torch.zeros_like(hidden_states)
         return self._link.exchange(hidden_states, self.layer)
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}"
+        return f"layer={self.layer}" + (", folded" if self.folded else "")
 
 
 class _NoExperts:
@@ -138,7 +152,7 @@ class _NoExperts:
 _BUILDING = threading.local()  # .link: the AfdLink of the attention model this thread is building
 _REBIND_LOCK = threading.Lock()
 _PROXY_TYPES: dict[tuple[type, bool], type] = {}
-_LAYER_OF_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.[^.]+$")
+_LAYER_OF_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.([^.]+)$")
 
 
 def _proxy_init(self: AfdFfnProxy, *args: Any, **kwargs: Any) -> None:
@@ -150,7 +164,7 @@ def _proxy_init(self: AfdFfnProxy, *args: Any, **kwargs: Any) -> None:
     match = _LAYER_OF_PREFIX.search(prefix) if isinstance(prefix, str) else None
     if match is None:
         raise RuntimeError(f"AFD: an FFN module was built with prefix {prefix!r}, which names no decoder layer")
-    AfdFfnProxy.__init__(self, link, int(match.group(1)))
+    AfdFfnProxy.__init__(self, link, int(match.group(1)), folded=match.group(2) in link.folded_attrs)
 
 
 def proxy_type(ffn_cls: type[nn.Module], moe: bool = False) -> type[AfdFfnProxy]:
@@ -208,6 +222,27 @@ def build_dense_mlp(mlp_cls: type[nn.Module], vllm_config: Any, prefix: str, **e
                    hidden_act=config.hidden_act, quant_config=vllm_config.quant_config, prefix=prefix, **extra)
 
 
+def copy_expert_counts(model: nn.Module, blocks: list[nn.Module], num_shared_experts: int = 0) -> None:
+    """Set the expert counts a vLLM ``MixtureOfExperts`` model reads from its first MoE block's ``n_*``
+    attributes (every block has the same), as vLLM's Mixtral/Qwen3-MoE/ERNIE-4.5-MoE ``__init__`` do: one
+    expert group, ``num_shared_experts`` as given; all counts 0 without ``blocks``."""
+    model.num_expert_groups = 1
+    model.num_shared_experts = num_shared_experts
+    for count in ("logical", "physical", "local_physical", "routed", "redundant"):
+        setattr(model, f"num_{count}_experts", getattr(blocks[0], f"n_{count}_experts") if blocks else 0)
+
+
+def adopt_moe_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """FFN role of a vLLM model whose ``__init__`` keeps its MoE blocks in ``moe_mlp_layers`` and sets
+    ``num_expert_groups`` from ``config.n_group`` (DeepSeek-V2/V3, GLM-4-MoE): the same, from ``blocks``;
+    the caller then runs vLLM's own ``self.extract_moe_parameters``. Fused shared experts (ROCm AITER),
+    which move shared-expert weights into the routed experts, are refused."""
+    if any(getattr(b, "is_fused_shared_expert_enabled", False) for b in blocks):
+        raise NotImplementedError(f"AFD {type(model).__name__} FFN role: fused shared experts are not supported")
+    model.moe_mlp_layers = blocks
+    model.num_expert_groups = getattr(model.config, "n_group", 1)
+
+
 class AfdCausalLMMixin(nn.Module):
     """Role split for a vLLM ``*ForCausalLM``; put it before the vLLM class in the bases.
 
@@ -229,6 +264,9 @@ class AfdCausalLMMixin(nn.Module):
     afd_ffn_classes: ClassVar[tuple[type[nn.Module], ...]]  # every class it may build as ``afd_ffn_attr``
     afd_moe_classes: ClassVar[tuple[type[nn.Module], ...]] = ()  # those of them that hold experts
     afd_ffn_attr: ClassVar[str] = "mlp"
+    # FFN modules vLLM's decoder layer builds besides the exchanged one and adds to its output (Step-3's
+    # ``share_expert``): the FFN role computes them with it (``afd_ffn_of``), their proxies return zeros.
+    afd_folded_ffn_attrs: ClassVar[tuple[str, ...]] = ()
     afd_needs_forward_context: ClassVar[bool] = False  # e.g. FusedMoE looks itself up in it
     _FFN_WEIGHT: ClassVar[re.Pattern[str]] = re.compile(r"(^|\.)layers\.\d+\.mlp\.")
 
@@ -239,7 +277,8 @@ class AfdCausalLMMixin(nn.Module):
         cfg = afd_config_of(vllm_config)
         if cfg.role == ATTENTION:
             hf_config = vllm_config.model_config.hf_text_config
-            link = AfdLink(hf_config.num_hidden_layers, hf_config.hidden_size, vllm_config.model_config.dtype)
+            link = AfdLink(hf_config.num_hidden_layers, hf_config.hidden_size, vllm_config.model_config.dtype,
+                           frozenset(self.afd_folded_ffn_attrs))
             proxies = {cls: proxy_type(cls, cls in self.afd_moe_classes) for cls in self.afd_ffn_classes}
             namespace = sys.modules[self.afd_decoder_layer.__module__].__dict__
             with _ffn_classes_rebound(namespace, proxies, link):
@@ -271,6 +310,19 @@ class AfdCausalLMMixin(nn.Module):
         mapper = getattr(self, "hf_to_vllm_mapper", None)
         return AutoWeightsLoader(self).load_weights(weights, mapper=mapper)
 
+    def afd_ffn_of(self, layer: nn.Module) -> nn.Module | None:
+        """The module that computes (FFN role) or exchanges (attention role) decoder layer ``layer``'s FFN
+        (default: its ``afd_ffn_attr``)."""
+        return getattr(layer, self.afd_ffn_attr, None)  # type: ignore[no-any-return]
+
+    def afd_build_ffn_layer(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
+        """FFN role: the stand-in for decoder layer ``layer`` (``prefix``: its checkpoint name), holding its
+        FFN modules under their checkpoint names (default: ``afd_build_ffn`` as ``afd_ffn_attr``)."""
+        holder = nn.Module()
+        holder.add_module(self.afd_ffn_attr,
+                          self.afd_build_ffn(vllm_config, layer, f"{prefix}.{self.afd_ffn_attr}"))
+        return holder
+
     def afd_describe_experts(self, blocks: list[nn.Module]) -> None:
         """FFN role: set the architecture's expert counts from its MoE ``blocks`` (in layer order, maybe [])."""
 
@@ -286,8 +338,8 @@ class AfdCausalLMMixin(nn.Module):
         if any(isinstance(layer, PPMissingLayer) for layer in layers):
             raise ValueError("AFD does not support pipeline parallelism (some decoder layers are not local)")
         for idx, layer in enumerate(layers):
-            ffn = getattr(layer, self.afd_ffn_attr, None)
-            if not isinstance(ffn, AfdFfnProxy) or ffn.layer != idx:
+            ffn = self.afd_ffn_of(layer)
+            if not isinstance(ffn, AfdFfnProxy) or ffn.layer != idx or ffn.folded:
                 raise RuntimeError(f"AFD attention role: decoder layer {idx} built {type(ffn).__name__} as "
                                    f"{self.afd_ffn_attr!r}, not a proxy; this vLLM builds its FFN modules "
                                    "in a way AFD does not support")
@@ -303,7 +355,7 @@ class AfdCausalLMMixin(nn.Module):
     def _afd_count_experts(self) -> None:
         """FFN role, after construction: vLLM's MoE bookkeeping describes the experts built here."""
         blocks = [ffn for layer in self._afd_layers()
-                  if isinstance(ffn := getattr(layer, self.afd_ffn_attr), self.afd_moe_classes)]
+                  if isinstance(ffn := self.afd_ffn_of(layer), self.afd_moe_classes)]
         self.moe_layers = [b.experts for b in blocks]
         self.num_moe_layers = len(blocks)
         self.afd_describe_experts(blocks)
@@ -318,12 +370,7 @@ class AfdCausalLMMixin(nn.Module):
         base = maybe_prefix(prefix, "model")
         layers = nn.ModuleList()
         for idx in range(hf_config.num_hidden_layers):
-            holder = nn.Module()
-            holder.add_module(
-                self.afd_ffn_attr,
-                self.afd_build_ffn(vllm_config, idx, f"{base}.layers.{idx}.{self.afd_ffn_attr}"),
-            )
-            layers.append(holder)
+            layers.append(self.afd_build_ffn_layer(vllm_config, idx, f"{base}.layers.{idx}"))
         self.model = nn.Module()
         self.model.layers = layers
 
@@ -348,7 +395,7 @@ class AfdCausalLMMixin(nn.Module):
 
     def afd_ffn(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """FFN role: run layer ``layer``'s FFN on ``hidden`` ([tokens, hidden])."""
-        module = getattr(self._afd_layers()[layer], self.afd_ffn_attr)
+        module = self.afd_ffn_of(self._afd_layers()[layer])
         if not self.afd_needs_forward_context:
             return module(hidden)  # type: ignore[no-any-return]
         from vllm.forward_context import set_forward_context

@@ -52,7 +52,7 @@ from vllm.model_executor.models.utils import (
     get_spec_layer_idx_from_weight_name,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp
+from afd_patches.models.common import AfdCausalLMMixin, adopt_moe_blocks, build_dense_mlp
 
 # Checkpoint -> vLLM names of the FFN role's fused dense projections. Routed
 # experts (``mlp.experts.E.*``) do not match and go to FusedMoE's own loader.
@@ -84,12 +84,9 @@ class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
     afd_needs_forward_context = True
 
     def afd_describe_experts(self, blocks: list[nn.Module]) -> None:
-        """What ``DeepseekV2ForCausalLM.__init__`` sets: ``moe_mlp_layers``, expert groups, and vLLM's own
-        ``extract_moe_parameters`` on the last MoE block. ROCm AITER fused shared experts are refused."""
-        if any(b.is_fused_shared_expert_enabled for b in blocks):
-            raise NotImplementedError("AFD DeepSeek FFN role: ROCm AITER fused shared experts are not supported")
-        self.moe_mlp_layers = blocks
-        self.num_expert_groups = getattr(self.config, "n_group", 1)
+        """What ``DeepseekV2ForCausalLM.__init__`` sets: ``adopt_moe_blocks``, then vLLM's own
+        ``extract_moe_parameters`` on the last MoE block."""
+        adopt_moe_blocks(self, blocks)
         self.extract_moe_parameters(blocks[-1] if blocks else None)
 
     # ---- attention role -------------------------------------------------
@@ -122,4 +119,7 @@ class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
 
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM, DeepseekV3ForCausalLM):
-    """DeepSeek-V3 with AFD; vLLM's ``DeepseekV3ForCausalLM`` is its V2 class under another name."""
+    """DeepSeek-V3 (and Kimi-K2, same architecture) with AFD; vLLM's ``DeepseekV3ForCausalLM`` is its V2 class
+    under another name. V3's routing -- ``noaux_tc`` sigmoid scores with the router's
+    ``e_score_correction_bias``, ``n_group``/``topk_group`` group-limited top-k, ``routed_scaling_factor`` --
+    all lives in ``DeepseekV2MoE``, so it runs on the FFN role exactly as vLLM runs it."""

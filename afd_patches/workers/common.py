@@ -117,10 +117,14 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
+# The names under which the AFD families' decoder layers hold FFN modules (and FusedMoE its experts).
+FFN_ATTRS = ("mlp", "experts", "block_sparse_moe", "moe", "share_expert")
+
+
 def _param_summary(model: torch.nn.Module) -> dict[str, Any]:
     names = [n for n, _ in model.named_parameters()]
     return {
-        "mlp_param_names": [n for n in names if ".mlp." in n or ".experts." in n],
+        "mlp_param_names": [n for n in names if any(f".{attr}." in n for attr in FFN_ATTRS)],
         "attn_param_names": [n for n in names if ".self_attn." in n or "embed_tokens" in n or "lm_head" in n],
     }
 

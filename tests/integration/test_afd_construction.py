@@ -1,6 +1,6 @@
 """Bytes allocated while each AFD role builds its model, on real vLLM, for every AFD architecture.
 
-One subprocess (``harness/construction_bytes.py``) builds, for each family, the
+A subprocess per family (``harness/construction_bytes.py``) builds the
 FFN-heavy tiny checkpoint's model three times with vLLM's own loader and config
 objects -- plain, attention role, FFN role -- each under a ``TorchDispatchMode``
 allocation counter (all devices), without loading weights or starting an engine.
@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.construction_bytes import FFN_PARAM
 from harness.engine import ARCH
 from harness.env import REPO, vllm_env
 from harness.tiny_model import build
@@ -31,27 +33,33 @@ SLACK = 1.05
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
-    work = tmp_path_factory.mktemp("afd-construction")
-    models = [f"{family}={build(work / family, family, wide=True)}" for family in ARCH]
-    proc = subprocess.run([sys.executable, "-m", "harness.construction_bytes", *models],
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("afd-construction")
+
+
+def _measure(work: Path, family: str) -> dict[str, dict[str, Any]]:
+    """One subprocess per family (so ``-k family`` builds only that family's models): role -> result."""
+    model = build(work / family, family, wide=True)
+    proc = subprocess.run([sys.executable, "-m", "harness.construction_bytes", f"{family}={model}"],
                           env=vllm_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return {(r["family"], r["role"]): r for r in rows}
+    return {r["role"]: r for r in rows}
 
 
 @pytest.mark.parametrize("family", sorted(ARCH))
-def test_each_role_allocates_only_its_own_parameters(measured: dict[tuple[str, str], dict[str, Any]],
-                                                     family: str) -> None:
-    plain, attn, ffn_role = (measured[(family, role)] for role in ("plain", "attention", "ffn"))
+def test_each_role_allocates_only_its_own_parameters(workdir: Path, family: str) -> None:
+    measured = _measure(workdir, family)
+    plain, attn, ffn_role = (measured[role] for role in ("plain", "attention", "ffn"))
     ffn, non_ffn = plain["plain_ffn_params"], plain["plain_non_ffn_params"]
     assert ffn >= 0.9 * (ffn + non_ffn), f"{family}: the FFN-heavy model is not FFN-heavy ({ffn} of {ffn + non_ffn})"
     assert plain["allocated"] >= ffn + non_ffn == plain["params_held"]  # the counter sees every parameter
 
     assert attn["params_held"] == non_ffn
     assert attn["allocated"] <= SLACK * non_ffn, f"{family} attention role allocated {attn['allocated']} bytes"
-    assert attn["forward_context"] and not [k for k in attn["forward_context"] if ".mlp" in k]
+    assert attn["forward_context"] and not [k for k in attn["forward_context"] if FFN_PARAM.search(f"{k}.")]
 
     assert ffn_role["params_held"] == ffn
     assert ffn_role["allocated"] <= SLACK * ffn, f"{family} FFN role allocated {ffn_role['allocated']} bytes"
+    print(f"{family}: attention role allocated {attn['allocated'] / non_ffn:.3f}x its non-FFN parameters, "
+          f"FFN role {ffn_role['allocated'] / ffn:.3f}x its FFN parameters")

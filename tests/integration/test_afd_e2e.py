@@ -125,11 +125,10 @@ def _afd(num_attention_ranks: int, schedule: str = "batched") -> dict[str, Any]:
             "num_ffn_ranks": 1, "timeout_s": 120.0, "connector_extra_config": {"schedule": schedule}}
 
 
-# Every family runs under both schedules somewhere: qwen3 and deepseek_v2 here, llama and qwen3_moe in 2A1F
-# (with one attention rank per FFN rank both schedules serve alike).
+# Every family of harness.tiny_model runs batched; qwen3 and deepseek_v2 also pingpong here, llama and
+# qwen3_moe in 2A1F (with one attention rank per FFN rank both schedules serve alike).
 @pytest.mark.parametrize("family,schedule", [
-    ("llama", "batched"), ("qwen3", "batched"), ("qwen3_moe", "batched"), ("deepseek_v2", "batched"),
-    ("qwen3", "pingpong"), ("deepseek_v2", "pingpong")])
+    *((family, "batched") for family in ARCH), ("qwen3", "pingpong"), ("deepseek_v2", "pingpong")])
 def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
     model, plain = _model_and_plain(workdir, family)
     afd = _afd(1, schedule)
@@ -143,8 +142,9 @@ def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
           f"attention {attn['seconds']}, ffn {ffn['seconds']}, steps {attn['stats'][0]['steps']}")
 
 
-@pytest.mark.parametrize("schedule", ["batched", "pingpong"])
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family,schedule", [
+    ("llama", "batched"), ("llama", "pingpong"), ("qwen3_moe", "batched"), ("qwen3_moe", "pingpong"),
+    ("glm4_moe", "batched")])
 def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
     """Two attention engines with the same workload share one FFN engine (batched: one FFN call per layer
     over both; pingpong: one per engine and layer, as each arrives)."""
