@@ -38,9 +38,10 @@ from torch.utils._pytree import tree_flatten
 
 from harness.engine import ARCH
 from harness.env import free_port
+from harness.tiny_model import register_configs
 
 ROLES = ("plain", "attention", "ffn")
-_FFN_PARAM = re.compile(r"(^|\.)layers\.\d+\.mlp\.")
+_FFN_PARAM = re.compile(r"(^|\.)layers\.\d+\.(mlp|mlps|feed_forward)\.")  # the FFN attribute names of the families
 
 
 class AllocationCounter(TorchDispatchMode):
@@ -87,8 +88,9 @@ def param_bytes(model: torch.nn.Module) -> dict[str, int]:
 def _vllm_config(model_dir: Path, arch: str | None, role: str) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
-    kwargs: dict[str, Any] = dict(model=str(model_dir), enforce_eager=True, skip_tokenizer_init=True,
-                                  dtype="float32")
+    config = json.loads((model_dir / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"  # bfloat16 for the GDN hybrids
+    kwargs: dict[str, Any] = dict(model=str(model_dir), enforce_eager=True, skip_tokenizer_init=True, dtype=dtype)
     if role != "plain":
         kwargs["hf_overrides"] = {"architectures": [arch]}
         kwargs["additional_config"] = {"afd": {"role": role, "connector": "torch_dist", "port": free_port()}}
@@ -160,6 +162,7 @@ def main() -> None:
     parser.add_argument("models", nargs="+", metavar="FAMILY=MODEL_DIR", help=f"FAMILY: {', '.join(ARCH)}")
     parser.add_argument("--role", action="append", choices=ROLES)
     args = parser.parse_args()
+    register_configs()
     for item in args.models:
         family, sep, model_dir = item.partition("=")
         if not sep or family not in ARCH:

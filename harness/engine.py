@@ -42,7 +42,8 @@ from typing import Any
 from harness.env import REPO, vllm_env
 
 ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3": "AFDQwen3ForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM",
-        "deepseek_v2": "AFDDeepseekV2ForCausalLM"}
+        "deepseek_v2": "AFDDeepseekV2ForCausalLM",
+        "llama4": "AFDLlama4ForCausalLM"}
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 4], [250, 251, 252, 253, 254, 255, 256, 7]]
 ENGINE_TIMEOUT_S = 300.0
 
@@ -170,7 +171,7 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         enforce_eager=True,
         max_model_len=256,
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         seed=0,
         kv_cache_memory_bytes=64 << 20,
         max_num_seqs=8,
@@ -202,6 +203,9 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM
 
+    from harness.tiny_model import register_configs
+
+    register_configs()
     result: dict[str, Any] = {"seconds": {}}
     t0 = time.monotonic()
     llm = LLM(**engine_kwargs(spec))

@@ -36,7 +36,7 @@ from harness.engine import (
     tail,
 )
 from harness.env import free_port
-from harness.tiny_model import build
+from harness.tiny_model import DTYPE, build
 
 pytestmark = pytest.mark.vllm
 
@@ -64,7 +64,8 @@ def _run_engines(specs: list[dict[str, Any]], tmp: Path, stagger_s: float = 0.0)
 
 def _spec(name: str, mode: str, model: Path, family: str, afd: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"name": name, "mode": mode, "model": str(model), "arch": ARCH[family], "afd": afd or {},
-            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS}
+            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS,
+            "dtype": DTYPE.get(family, "float32")}
 
 
 def _assert_same_outputs(plain: dict[str, Any], afd: dict[str, Any]) -> float:
@@ -129,7 +130,8 @@ def _afd(num_attention_ranks: int, schedule: str = "batched") -> dict[str, Any]:
 # (with one attention rank per FFN rank both schedules serve alike).
 @pytest.mark.parametrize("family,schedule", [
     ("llama", "batched"), ("qwen3", "batched"), ("qwen3_moe", "batched"), ("deepseek_v2", "batched"),
-    ("qwen3", "pingpong"), ("deepseek_v2", "pingpong")])
+    ("qwen3", "pingpong"), ("deepseek_v2", "pingpong"),
+    ("llama4", "batched")])
 def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
     model, plain = _model_and_plain(workdir, family)
     afd = _afd(1, schedule)
