@@ -149,8 +149,9 @@ def _longcat_flash(transformers: Any, common: dict) -> Any:
     rank of 64 (the config requires one)."""
     config = transformers.LongcatFlashConfig(**{
         "num_layers": common["num_hidden_layers"], "ffn_hidden_size": 128, "expert_ffn_hidden_size": 32,
-        "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2, "routed_scaling_factor": 1.0,
-        "q_lora_rank": 64, "mla_scale_q_lora": True, "mla_scale_kv_lora": True, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "n_routed_experts": 4, "zero_expert_num": 2, "zero_expert_type": "identity", "moe_topk": 2,
+        "routed_scaling_factor": 1.0, "q_lora_rank": 64, "mla_scale_q_lora": True, "mla_scale_kv_lora": True,
+        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
         **_text(common, ("num_hidden_layers", "intermediate_size", "head_dim")), "num_key_value_heads": 2})
     return transformers.LongcatFlashForCausalLM(config)
 

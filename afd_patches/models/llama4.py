@@ -41,7 +41,7 @@ from vllm.model_executor.models.llama4 import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import AfdCausalLMMixin
+from afd_patches.models.common import AfdCausalLMMixin, copy_expert_counts
 
 _FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
@@ -73,15 +73,10 @@ class AFDLlama4ForCausalLM(AfdCausalLMMixin, Llama4ForCausalLM):
 
     def afd_describe_experts(self, blocks: list[nn.Module]) -> None:
         """The expert counts ``Llama4ForCausalLM.set_moe_parameters`` sets, from the last MoE block."""
-        self.num_expert_groups = 1 if blocks else 0
         last = blocks[-1] if blocks else None
-        for ours, theirs in (("num_logical_experts", "n_logical_experts"),
-                             ("num_physical_experts", "n_physical_experts"),
-                             ("num_local_physical_experts", "n_local_physical_experts"),
-                             ("num_routed_experts", "n_routed_experts"),
-                             ("num_shared_experts", "n_shared_experts"),
-                             ("num_redundant_experts", "n_redundant_experts")):
-            setattr(self, ours, getattr(last, theirs) if last is not None else 0)
+        self.num_expert_groups = 1 if blocks else 0
+        self.num_shared_experts = last.n_shared_experts if last is not None else 0
+        copy_expert_counts(self, last)
 
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
         config = vllm_config.model_config.hf_config

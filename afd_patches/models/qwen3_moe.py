@@ -25,7 +25,7 @@ from vllm.model_executor.models.qwen3_moe import (
     Qwen3MoeSparseMoeBlock,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp
+from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts
 
 
 def _is_sparse(config: Any, layer: int) -> bool:
@@ -52,12 +52,7 @@ class AFDQwen3MoeForCausalLM(AfdCausalLMMixin, Qwen3MoeForCausalLM):
         self.num_expert_groups = 1
         self.num_shared_experts = 0
         if blocks:
-            first = blocks[0]
-            self.num_logical_experts = first.n_logical_experts
-            self.num_physical_experts = first.n_physical_experts
-            self.num_local_physical_experts = first.n_local_physical_experts
-            self.num_routed_experts = first.n_routed_experts
-            self.num_redundant_experts = first.n_redundant_experts
+            copy_expert_counts(self, blocks[0])
 
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
         config = vllm_config.model_config.hf_text_config
