@@ -113,9 +113,13 @@ def _llama4(transformers: Any, common: dict) -> Any:
 
 def _gpt_oss(transformers: Any, common: dict) -> Any:
     """gpt-oss: every layer MoE (4 experts with biases, top-2), unquantized; layer 0 sliding-window attention
-    with sinks, layer 1 full attention with sinks."""
+    with sinks, layer 1 full attention with sinks. YaRN over ``max_position_embeddings`` positions (factor 2):
+    the released factor 32 over 4096 positions makes vLLM's rotary cache 131072 positions long."""
+    positions = common["max_position_embeddings"]
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": positions // 2, "truncate": False}
     config = transformers.GptOssConfig(**{
-        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 128,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 128, "rope_parameters": rope,
         "layer_types": ["sliding_attention", "full_attention"], **_text(common)})
     return transformers.GptOssForCausalLM(config)
 
