@@ -45,7 +45,8 @@ ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3": "AFDQwen3ForCausalLM", "qwen3_m
         "deepseek_v2": "AFDDeepseekV2ForCausalLM",
         "llama4": "AFDLlama4ForCausalLM",
         "bailing_moe": "AFDBailingMoeForCausalLM",
-        "qwen3_next": "AFDQwen3NextForCausalLM"}
+        "qwen3_next": "AFDQwen3NextForCausalLM",
+        "gpt_oss": "AFDGptOssForCausalLM"}
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 4], [250, 251, 252, 253, 254, 255, 256, 7]]
 ENGINE_TIMEOUT_S = 300.0
 

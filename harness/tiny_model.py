@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,22 @@ def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False) -> 
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
     model.to(getattr(torch, DTYPE.get(arch, "float32"))).save_pretrained(out, safe_serialization=True)
+    if getattr(model.config, "zero_expert_num", 0):
+        _drop_zero_experts(out / "model.safetensors", model.config.n_routed_experts)
     return out
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _drop_zero_experts(path: Path, routed: int) -> None:
+    """Rewrite ``path`` without expert tensors of index >= ``routed``: transformers' LongCat-Flash saves gate/up
+    tensors for its zero-computation experts, which the released checkpoints (and vLLM's loader) do not have."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    save_file({k: v for k, v in tensors.items()
+               if not (m := _EXPERT_INDEX.search(k)) or int(m.group(1)) < routed}, str(path), metadata={"format": "pt"})
 
 
 def _text(common: dict, drop: tuple[str, ...] = ()) -> dict:

@@ -131,7 +131,8 @@ def _afd(num_attention_ranks: int, schedule: str = "batched") -> dict[str, Any]:
 @pytest.mark.parametrize("family,schedule", [
     ("llama", "batched"), ("qwen3", "batched"), ("qwen3_moe", "batched"), ("deepseek_v2", "batched"),
     ("qwen3", "pingpong"), ("deepseek_v2", "pingpong"),
-    ("llama4", "batched"), ("bailing_moe", "batched"), ("qwen3_next", "batched")])
+    ("llama4", "batched"), ("bailing_moe", "batched"), ("qwen3_next", "batched"),
+    ("gpt_oss", "batched")])
 def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
     model, plain = _model_and_plain(workdir, family)
     afd = _afd(1, schedule)
