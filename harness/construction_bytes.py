@@ -36,12 +36,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from harness.engine import ARCH
+from harness.engine import ARCH, checkpoint_dtype
 from harness.env import free_port
 from harness.tiny_model import register_configs
 
 ROLES = ("plain", "attention", "ffn")
-_FFN_PARAM = re.compile(r"(^|\.)layers\.\d+\.(mlp|mlps|feed_forward)\.")  # the FFN attribute names of the families
+FFN_PARAM = re.compile(r"(^|\.)layers\.\d+\.(mlp|mlps|feed_forward)\.")  # the FFN attribute names of the families
 
 
 class AllocationCounter(TorchDispatchMode):
@@ -81,16 +81,15 @@ def param_bytes(model: torch.nn.Module) -> dict[str, int]:
         if p.device.type == "meta" or p.untyped_storage().data_ptr() in seen:
             continue
         seen.add(p.untyped_storage().data_ptr())
-        out["ffn" if _FFN_PARAM.search(name) else "non_ffn"] += p.untyped_storage().nbytes()
+        out["ffn" if FFN_PARAM.search(name) else "non_ffn"] += p.untyped_storage().nbytes()
     return out
 
 
 def _vllm_config(model_dir: Path, arch: str | None, role: str) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
-    config = json.loads((model_dir / "config.json").read_text())
-    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"  # bfloat16 for the GDN hybrids
-    kwargs: dict[str, Any] = dict(model=str(model_dir), enforce_eager=True, skip_tokenizer_init=True, dtype=dtype)
+    kwargs: dict[str, Any] = dict(model=str(model_dir), enforce_eager=True, skip_tokenizer_init=True,
+                                  dtype=checkpoint_dtype(model_dir))
     if role != "plain":
         kwargs["hf_overrides"] = {"architectures": [arch]}
         kwargs["additional_config"] = {"afd": {"role": role, "connector": "torch_dist", "port": free_port()}}

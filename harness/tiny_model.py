@@ -1,14 +1,19 @@
-"""Build tiny random-weight float32 checkpoints for real-vLLM tests (nothing is downloaded).
+"""Build tiny random-weight checkpoints for real-vLLM tests (nothing is downloaded).
+
+float32, except the families in ``DTYPE`` (bfloat16: vLLM's CPU Gated-DeltaNet kernels refuse float32).
 
 Weights are drawn with a large std (0.2) so greedy tokens are decisive: vLLM's
 'dummy' weights give near-uniform logits, which makes token comparisons fragile.
 
-    python -m harness.tiny_model OUT_DIR [--arch llama|qwen3|qwen3_moe|deepseek_v2] [--seed 0]
+    python -m harness.tiny_model OUT_DIR [--arch ARCH (one of ARCHES)] [--seed 0]
 
 ``deepseek_v2``: layer 0 dense MLP, layer 1 MoE (4 routed experts, top-2, one
 shared expert), MLA attention with ``kv_lora_rank`` 512 and ``qk_rope_head_dim``
 64 -- the only latent size vLLM's CPU MLA decode kernel supports (576) -- and
 small per-head dims (nope 32, v 32, 2 heads); ``q_lora_rank`` None.
+
+``llama4``, ``gpt_oss``, ``qwen3_next``, ``qwen3_5``, ``bailing_moe``, ``longcat_flash``: see each
+builder's docstring (``_llama4`` ...); Bailing is written without transformers (``_bailing_moe``).
 
 ``--wide``: the FFN-heavy variant of ``arch`` (``WIDE``: a wide dense MLP, many
 experts), whose MLP/expert parameters are over 90 % of the model's.

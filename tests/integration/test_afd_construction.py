@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from harness.construction_bytes import FFN_PARAM
 from harness.engine import ARCH
 from harness.env import REPO, vllm_env
 from harness.tiny_model import build
@@ -51,7 +52,7 @@ def test_each_role_allocates_only_its_own_parameters(measured: dict[tuple[str, s
 
     assert attn["params_held"] == non_ffn
     assert attn["allocated"] <= SLACK * non_ffn, f"{family} attention role allocated {attn['allocated']} bytes"
-    assert attn["forward_context"] and not [k for k in attn["forward_context"] if ".mlp" in k]
+    assert attn["forward_context"] and not [k for k in attn["forward_context"] if FFN_PARAM.search(k + ".")]
 
     assert ffn_role["params_held"] == ffn
     assert ffn_role["allocated"] <= SLACK * ffn, f"{family} FFN role allocated {ffn_role['allocated']} bytes"
