@@ -37,8 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from afd_patches.workers.common import FFN_ATTRS
-from harness.engine import ARCH
+from harness.engine import ARCH, checkpoint_dtype
 from harness.env import free_port
+from harness.tiny_model import register_configs
 
 ROLES = ("plain", "attention", "ffn")
 FFN_PARAM = re.compile(rf"(^|\.)layers\.\d+\.({'|'.join(FFN_ATTRS)})\.")  # a decoder layer's FFN parameter
@@ -89,7 +90,7 @@ def _vllm_config(model_dir: Path, arch: str | None, role: str) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs: dict[str, Any] = dict(model=str(model_dir), enforce_eager=True, skip_tokenizer_init=True,
-                                  dtype="float32")
+                                  dtype=checkpoint_dtype(model_dir))
     if role != "plain":
         kwargs["hf_overrides"] = {"architectures": [arch]}
         kwargs["additional_config"] = {"afd": {"role": role, "connector": "torch_dist", "port": free_port()}}
@@ -161,6 +162,7 @@ def main() -> None:
     parser.add_argument("models", nargs="+", metavar="FAMILY=MODEL_DIR", help=f"FAMILY: {', '.join(ARCH)}")
     parser.add_argument("--role", action="append", choices=ROLES)
     args = parser.parse_args()
+    register_configs()
     for item in args.models:
         family, sep, model_dir = item.partition("=")
         if not sep or family not in ARCH:

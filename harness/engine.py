@@ -1,7 +1,8 @@
 """The one vLLM driver of the tests, the demo and the benchmarks: an engine per process.
 
 Every run, plain or AFD, builds ``LLM(**engine_kwargs(spec))``: ``enforce_eager=True``,
-``max_model_len=256``, ``skip_tokenizer_init=True`` (token-id prompts), float32, seed 0, a
+``max_model_len=256``, ``skip_tokenizer_init=True`` (token-id prompts), the checkpoint's dtype
+(``checkpoint_dtype``: float32, bfloat16 for the Gated-DeltaNet hybrids; SPEC ``dtype`` overrides), seed 0, a
 64 MiB KV cache, ``max_num_seqs=8``; sampling is greedy (temperature 0, ``ignore_eos``) with
 top-``logprobs`` logprobs, reported as vLLM returns them (no rounding).
 
@@ -163,6 +164,15 @@ def generate(model: Path, workdir: Path, *, name: str = "plain", prompts: list[l
     return Generation(proc.returncode, result, tail(log, 1 << 30))
 
 
+def checkpoint_dtype(model_dir: str | Path) -> str:
+    """The dtype a checkpoint's ``config.json`` names (``dtype`` or ``torch_dtype``); float32 when it names none.
+
+    The tiny checkpoints are float32 except the Gated-DeltaNet hybrids (bfloat16: vLLM's CPU GDN kernels
+    refuse float32), and every run compares plain and AFD at the checkpoint's own dtype."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
 def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``LLM(...)`` keyword arguments for ``spec`` (the same settings for every mode)."""
     kwargs: dict[str, Any] = dict(
@@ -170,7 +180,7 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         enforce_eager=True,
         max_model_len=256,
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=spec.get("dtype") or checkpoint_dtype(spec["model"]),
         seed=0,
         kv_cache_memory_bytes=64 << 20,
         max_num_seqs=8,
@@ -202,6 +212,9 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM
 
+    from harness.tiny_model import register_configs
+
+    register_configs()
     result: dict[str, Any] = {"seconds": {}}
     t0 = time.monotonic()
     llm = LLM(**engine_kwargs(spec))

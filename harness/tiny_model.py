@@ -1,12 +1,15 @@
-"""Build tiny random-weight float32 checkpoints for real-vLLM tests (nothing is downloaded).
+"""Build tiny random-weight checkpoints for real-vLLM tests (nothing is downloaded).
 
-Weights are drawn with a large std (0.2) so greedy tokens are decisive: vLLM's
-'dummy' weights give near-uniform logits, which makes token comparisons fragile.
+float32, except where a family's fields say ``torch_dtype: bfloat16`` (the Gated-DeltaNet hybrids: vLLM's
+CPU kernels refuse float32). Weights are drawn with a large std (0.2) so greedy tokens are decisive:
+vLLM's 'dummy' weights give near-uniform logits, which makes token comparisons fragile.
 
     python -m harness.tiny_model OUT_DIR [--arch FAMILY] [--seed 0]
 
-``FAMILIES`` holds each family's transformers class and config fields (over
-``COMMON``); a family is one entry there (and one in ``WIDE``).
+``FAMILIES`` holds each family's class prefix and config fields (over ``COMMON``); a family is one entry
+there (and one in ``WIDE``). Most are built by transformers (``<Prefix>Config`` /
+``<Prefix>ForCausalLM``, or the config class ``CONFIG_CLASS`` names); ``HAND_BUILT`` writes the tensors
+of families transformers lacks, under the names vLLM's loader reads.
 
 ``deepseek_v2``: layer 0 dense MLP, layer 1 MoE (4 routed experts, top-2, one
 shared expert), MLA attention with ``kv_lora_rank`` 512 and ``qk_rope_head_dim``
@@ -16,6 +19,13 @@ small per-head dims (nope 32, v 32, 2 heads); ``q_lora_rank`` None.
 with ``q_lora_rank`` 48, and V3 routing: ``noaux_tc`` sigmoid scores with a random
 ``e_score_correction_bias``, 8 experts in 2 groups (``topk_group`` 1), routed
 scaling 2.5.
+``llama4``: layer 0 dense (``intermediate_size_mlp``), layer 1 MoE (4 experts, top-1, one shared expert);
+layer 0 RoPE with QK norm, layer 1 NoPE; no chunked attention. ``gpt_oss``: every layer MoE (4 experts with
+biases, top-2), unquantized; sliding-window then full attention, both with sinks; YaRN over
+``max_position_embeddings`` (``_gpt_oss_rope``). ``qwen3_next`` (bfloat16): layer 0 Gated-DeltaNet with a
+dense MLP, layer 1 gated full attention with a sparse MoE block and a shared expert; 128-wide linear heads
+(the CPU kernel refuses 32). ``bailing_moe``: layer 0 dense, layer 1 MoE with a shared expert; its
+``model_type`` has no transformers config, so drivers call ``register_configs`` first.
 
 ``--wide``: the FFN-heavy variant of ``arch`` (``WIDE``: a wide dense MLP, many
 experts), whose MLP/expert parameters are over 90 % of the model's.
@@ -73,7 +83,27 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
         "model_type": "step3_text", "moe_num_experts": 4, "moe_top_k": 2, "moe_intermediate_size": 32,
         "share_expert_dim": 32, "share_q_dim": 64, "norm_expert_weight": True, "moe_layers_enum": "1",
         "max_position_embedding": 256, "rope_theta": 500000.0, "num_key_value_heads": DROP}),
+    "llama4": ("Llama4", {
+        "intermediate_size": 64, "intermediate_size_mlp": 128, "num_local_experts": 4, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2, "no_rope_layers": [1, 0], "attention_chunk_size": None,
+        "use_qk_norm": True}),
+    "gpt_oss": ("GptOss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 128,
+                           "layer_types": ["sliding_attention", "full_attention"]}),
+    "qwen3_next": ("Qwen3Next", {
+        "torch_dtype": "bfloat16", "layer_types": ["linear_attention", "full_attention"], "mlp_only_layers": [0],
+        "decoder_sparse_step": 1, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "norm_topk_prob": True, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2}),
+    # Bailing-MoE (Ling; no transformers class: written by ``_bailing_moe_tensors``).
+    "bailing_moe": ("BailingMoe", {
+        "model_type": "bailing_moe", "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "use_bias": False,
+        "use_qkv_bias": False, "use_qk_norm": False, "norm_head": False, "embedding_dropout": 0.0,
+        "first_k_dense_replace": 1, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "num_shared_experts": 1, "norm_topk_prob": True}),
 }
+CONFIG_CLASS = {"llama4": "Llama4TextConfig"}  # where the config class is not ``<Prefix>Config``
 ARCHES = tuple(FAMILIES)
 WIDE: dict[str, dict[str, int]] = {  # vocab 2048 and 64 positions: the rotary cache stays under 2 % of the rest
     "llama": {"vocab_size": 2048, "max_position_embeddings": 64, "intermediate_size": 8192},
@@ -93,6 +123,13 @@ WIDE: dict[str, dict[str, int]] = {  # vocab 2048 and 64 positions: the rotary c
                    "intermediate_size": 96},
     "step3_text": {"vocab_size": 2048, "max_position_embedding": 64, "intermediate_size": 16384,
                    "moe_num_experts": 128, "moe_intermediate_size": 96},
+    "llama4": {"vocab_size": 2048, "max_position_embeddings": 64, "intermediate_size_mlp": 8192,
+               "num_local_experts": 64, "intermediate_size": 128},
+    "gpt_oss": {"vocab_size": 2048, "max_position_embeddings": 64, "num_local_experts": 64},
+    "qwen3_next": {"vocab_size": 2048, "max_position_embeddings": 64, "num_experts": 128,
+                   "moe_intermediate_size": 96, "intermediate_size": 8192},
+    "bailing_moe": {"vocab_size": 2048, "max_position_embeddings": 64, "num_experts": 128,
+                    "moe_intermediate_size": 96, "intermediate_size": 8192},
 }
 
 
@@ -125,7 +162,51 @@ def _step3_text_tensors(c: dict[str, Any], torch: Any) -> dict[str, Any]:
             for name, shape in shapes.items()}
 
 
-HAND_BUILT = {"Step3Text": _step3_text_tensors}  # class prefix -> tensors, for families transformers lacks
+def _bailing_moe_tensors(c: dict[str, Any], torch: Any) -> dict[str, Any]:
+    """Bailing-MoE's tensors under the names vLLM's ``BailingMoeForCausalLM`` loads: fused
+    ``query_key_value``, ``dense``; ``mlp`` dense below ``first_k_dense_replace``, else router ``gate``,
+    ``shared_experts`` and per-expert MLPs; norms are ones."""
+    h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    experts, moe_inter = c["num_experts"], c["moe_intermediate_size"]
+
+    def rand(*shape: int) -> Any:
+        return torch.randn(*shape) * c["initializer_range"]
+
+    def mlp(prefix: str, size: int) -> dict[str, Any]:
+        return {f"{prefix}.gate_proj.weight": rand(size, h), f"{prefix}.up_proj.weight": rand(size, h),
+                f"{prefix}.down_proj.weight": rand(h, size)}
+
+    tensors = {"model.word_embeddings.weight": rand(vocab, h), "model.norm.weight": torch.ones(h),
+               "lm_head.weight": rand(vocab, h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        tensors |= {f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
+                    f"{p}.attention.query_key_value.weight": rand((heads + 2 * kv) * hd, h),
+                    f"{p}.attention.dense.weight": rand(h, heads * hd)}
+        if i < c["first_k_dense_replace"]:
+            tensors |= mlp(f"{p}.mlp", inter)
+        else:
+            tensors[f"{p}.mlp.gate.weight"] = rand(experts, h)
+            tensors |= mlp(f"{p}.mlp.shared_experts", moe_inter)
+            for e in range(experts):
+                tensors |= mlp(f"{p}.mlp.experts.{e}", moe_inter)
+    return tensors
+
+
+HAND_BUILT = {"Step3Text": _step3_text_tensors, "BailingMoe": _bailing_moe_tensors}  # prefix -> tensors
+
+
+def _gpt_oss_rope(fields: dict[str, Any]) -> dict[str, Any]:
+    """YaRN (factor 2) over the checkpoint's positions: the released factor 32 over 4096 positions makes
+    vLLM's rotary cache 131072 positions long."""
+    positions = fields["max_position_embeddings"]
+    return {"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "original_max_position_embeddings": positions // 2,
+                                "truncate": False}}
+
+
+DERIVED = {"gpt_oss": _gpt_oss_rope}  # family -> config fields computed from the others
 
 
 def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False) -> Path:
@@ -144,14 +225,17 @@ def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False) -> 
     name, fields = FAMILIES[arch]
     merged = {**COMMON, **fields, **(WIDE[arch] if wide else {})}
     merged = {k: v for k, v in merged.items() if v != DROP}
+    merged.update(DERIVED[arch](merged) if arch in DERIVED else {})
+    dtype = getattr(torch, str(merged["torch_dtype"]))
     if name in HAND_BUILT:
         from safetensors.torch import save_file
 
         out.mkdir(parents=True, exist_ok=True)
-        save_file(HAND_BUILT[name](merged, torch), str(out / "model.safetensors"))
+        tensors = {k: v.to(dtype).contiguous() for k, v in HAND_BUILT[name](merged, torch).items()}
+        save_file(tensors, str(out / "model.safetensors"))
         (out / "config.json").write_text(json.dumps({"architectures": [f"{name}ForCausalLM"], **merged}))
         return out
-    config = getattr(transformers, f"{name}Config")(**merged)
+    config = getattr(transformers, CONFIG_CLASS.get(arch, f"{name}Config"))(**merged)
     model = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -160,8 +244,21 @@ def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False) -> 
         for key, t in model.state_dict(keep_vars=True).items():
             if key.endswith("e_score_correction_bias"):
                 t.normal_(0.0, 0.5)
-    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
     return out
+
+
+def register_configs() -> None:
+    """Let transformers read ``model_type: bailing_moe`` as a plain ``PretrainedConfig`` (every key an attribute).
+
+    The released Bailing checkpoints carry their own config class as remote code; the tiny checkpoint carries
+    none (nothing executable is read from disk), so each process that loads it registers this one. Idempotent.
+    """
+    import transformers
+
+    if "bailing_moe" not in transformers.CONFIG_MAPPING:
+        transformers.AutoConfig.register("bailing_moe", type("BailingMoeConfig", (transformers.PretrainedConfig,),
+                                                             {"model_type": "bailing_moe"}))
 
 
 def main() -> None:

@@ -279,9 +279,8 @@ class AfdCausalLMMixin(nn.Module):
             hf_config = vllm_config.model_config.hf_text_config
             link = AfdLink(hf_config.num_hidden_layers, hf_config.hidden_size, vllm_config.model_config.dtype,
                            frozenset(self.afd_folded_ffn_attrs))
-            proxies = {cls: proxy_type(cls, cls in self.afd_moe_classes) for cls in self.afd_ffn_classes}
             namespace = sys.modules[self.afd_decoder_layer.__module__].__dict__
-            with _ffn_classes_rebound(namespace, proxies, link):
+            with _ffn_classes_rebound(namespace, self.afd_replacements(), link):
                 super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
             self.afd_role = ATTENTION
             self._afd_link = link
@@ -295,6 +294,16 @@ class AfdCausalLMMixin(nn.Module):
                 self._afd_count_experts()
 
     # ---- subclass hooks -------------------------------------------------
+    @classmethod
+    def afd_replacements(cls) -> dict[type, type]:
+        """What each class named in the decoder layer's module is bound to while the attention model is built.
+
+        Default: each of ``afd_ffn_classes`` to its proxy. An architecture whose layers take their FFN
+        class from a class attribute rather than a module-level name binds the class that reads it to
+        a subclass that overrides the attribute (see ``afd_patches.models.gpt_oss``).
+        """
+        return {c: proxy_type(c, c in cls.afd_moe_classes) for c in cls.afd_ffn_classes}
+
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
         """Build layer ``layer``'s FFN module (FFN role); ``prefix`` is its checkpoint name."""
         raise NotImplementedError

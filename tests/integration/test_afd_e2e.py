@@ -1,6 +1,7 @@
 """AFD on real vLLM (CPU build): greedy tokens and top logprobs equal plain vLLM's.
 
-A tiny random float32 checkpoint is built with transformers. Plain vLLM runs it
+A tiny random checkpoint is built with transformers (float32; bfloat16 for the
+Gated-DeltaNet hybrids, whose CPU kernels refuse float32; both runs use its dtype). Plain vLLM runs it
 once; then the AFD roles run it, each in its own process (FFN role started
 first, then the attention role(s)), talking over the configured connector.
 Checks: same greedy tokens and top-5 logprobs as plain vLLM; the attention
@@ -44,11 +45,11 @@ LAYERS = 2
 PROMPTS = [[1, 17, 42, 99, 123, 7], [5, 300, 211, 64], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
 MAX_TOKENS = 8
 LOGPROBS = 5
-ABS_TOL = 0.0  # token-exact: float32 on CPU gives bit-identical logprobs
+ABS_TOL = 0.0  # token-exact: the same dtype on CPU gives bit-identical logprobs (float32 and bfloat16 alike)
 
 
 def _build_model(path: Path, family: str) -> Path:
-    """A tiny random float32 checkpoint (hidden 64, 2 layers, vocab 512, std 0.2; see harness/tiny_model.py).
+    """A tiny random checkpoint (hidden 64, 2 layers, vocab 512, std 0.2; see harness/tiny_model.py).
 
     deepseek_v2: layer 0 dense, layer 1 MoE with a shared expert, MLA attention (vLLM's CPU_MLA backend).
     """
@@ -144,7 +145,7 @@ def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
 
 @pytest.mark.parametrize("family,schedule", [
     ("llama", "batched"), ("llama", "pingpong"), ("qwen3_moe", "batched"), ("qwen3_moe", "pingpong"),
-    ("glm4_moe", "batched")])
+    ("glm4_moe", "batched"), ("qwen3_next", "batched")])
 def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
     """Two attention engines with the same workload share one FFN engine (batched: one FFN call per layer
     over both; pingpong: one per engine and layer, as each arrives)."""
