@@ -118,7 +118,7 @@ def _tensor_bytes(obj: Any) -> int:
 
 
 # The names under which the AFD families' decoder layers hold FFN modules (and FusedMoE its experts).
-FFN_ATTRS = ("mlp", "experts", "block_sparse_moe", "moe", "share_expert", "feed_forward", "mlps")
+FFN_ATTRS = ("mlp", "experts", "block_sparse_moe", "moe", "share_expert", "feed_forward")
 
 
 def _param_summary(model: torch.nn.Module) -> dict[str, Any]:
