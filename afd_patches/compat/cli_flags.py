@@ -207,7 +207,7 @@ def afd_from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Na
     """Wrapper of ``EngineArgs.from_cli_args``: fold the ``--afd-*`` flags into additional_config first.
 
     When AFD is on, this process (the API server's front end) also exports the engine's
-    ``vllm:afd_*`` metrics on its ``/metrics`` (``afd_patches.connectors.metrics``).
+    ``vllm:afd_*`` metrics on its ``/metrics`` (``afd_patches.connectors.metrics``, ``afd_patches.group_gauge``).
     """
     args = apply_flags(args)
     try:
@@ -215,7 +215,9 @@ def afd_from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Na
     except (AfdCliError, ValueError):
         afd_on = False  # vLLM reports a malformed --additional-config itself
     if afd_on:
+        from afd_patches import group_gauge
         from afd_patches.connectors.metrics import export_from_front_end
 
         export_from_front_end()
+        group_gauge.export_from_front_end()
     return original(cls, args, *rest, **kwargs)
