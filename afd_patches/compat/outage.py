@@ -10,14 +10,17 @@ apart from one attribute read per step):
     When vLLM's step raises, it asks the workers (``collective_rpc``,
     ``afd_group_status``) whether their AFD group is down. If not (or the
     question itself fails: the executor is gone), the exception goes on as
-    before. If so, every request of the scheduler is finished with
+    before (a group lost during that step and already re-formed counts as
+    down). If so, every request of the scheduler is finished with
     ``FINISHED_ERROR`` (vLLM's ``finish_requests``, which frees their KV
     blocks), the prefix cache is reset (the failed step wrote part of its KV
     cache, and vLLM caches blocks when it schedules them), and the step
     returns their error outputs; the engine core stays up. While the group is
-    down, each step asks again before running vLLM's step: still down, new
-    requests are failed the same way without reaching the model (no
-    traceback per request); up, the step runs as usual. Nothing is classified
+    down, a step with unfinished requests asks again before running vLLM's
+    step: still down, they are failed the same way without reaching the model
+    (no traceback per request); up, the step runs as usual. A step with only
+    finished requests left runs vLLM's step, which schedules nothing and tells
+    the worker to drop them (no exchange); without it vLLM would step forever. Nothing is classified
     by message: the worker turns ``ConnectorError`` (a type) into its status.
 
 ``generate_naming_afd`` (wraps ``AsyncLLM.generate``)
@@ -76,29 +79,41 @@ def _first_down(statuses: Any) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------ engine core
-def _group_down(core: Any) -> dict[str, Any] | None:
-    """The workers' report of a down AFD group, or None (group up, not an AFD attention engine, no answer)."""
+def _group_down(core: Any, lost_since: float | None = None) -> dict[str, Any] | None:
+    """The workers' report of a down AFD group (or, with ``lost_since``, of a group lost at or after that
+    ``time.time()``, even if already re-formed), else None (group up, not an AFD attention engine, no answer)."""
     if not _is_attention(core.vllm_config):
         return None
     try:
-        return _first_down(core.model_executor.collective_rpc("afd_group_status", timeout=STATUS_RPC_S))
+        statuses = core.model_executor.collective_rpc("afd_group_status", timeout=STATUS_RPC_S)
     except Exception:
         logger.debug("AFD: afd_group_status failed", exc_info=True)
         return None
+    down = _first_down(statuses)
+    if down is None and lost_since is not None:
+        down = next((s for s in statuses if isinstance(s, dict) and (s.get("since") or 0) >= lost_since), None)
+    return down
 
 
-def _fail_all(core: Any, status: dict[str, Any]) -> dict[int, Any]:
-    """Finish every request of ``core``'s scheduler with an error; their outputs by client index."""
+def _fail_all(core: Any, status: dict[str, Any], stepped: bool) -> dict[int, Any]:
+    """Finish every request of ``core``'s scheduler with an error; their outputs by client index.
+
+    ``stepped``: a step of vLLM's ran and failed, so the prefix cache is reset (vLLM caches blocks when it
+    schedules them, and that step never finished writing their KV); requests failed before any step (the group
+    was already down) hold no such blocks.
+    """
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.request import RequestStatus
 
     failed = core.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR)
-    core.scheduler.reset_prefix_cache()  # a failed step leaves cached blocks whose KV was never fully written
+    if stepped:
+        core.scheduler.reset_prefix_cache()
+        logger.error("AFD: failed %d request(s) in flight: %s", len(failed), status.get("error"))
+    elif failed:
+        logger.warning("AFD: failed %d new request(s): the attention engine has no FFN group yet", len(failed))
     by_client: dict[int, list[str]] = defaultdict(list)
     for request in failed:
         by_client[request.client_index].append(request.request_id)
-    if failed:
-        logger.error("AFD: failed %d request(s): %s", len(failed), status.get("error"))
     return {client: EngineCoreOutputs(outputs=[EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR)
                                                for rid in ids], finished_requests=set(ids))
             for client, ids in by_client.items()}
@@ -106,22 +121,21 @@ def _fail_all(core: Any, status: dict[str, Any]) -> dict[int, Any]:
 
 def step_outliving_ffn(original: Callable[..., Any], core: Any, *args: Any, **kwargs: Any) -> Any:
     """Wrapper of ``EngineCore.step``: an AFD group loss fails the requests, not the engine (module docstring)."""
-    if getattr(core, _DOWN, None) is not None:
-        if not core.scheduler.has_requests():
-            return {}, False
+    if getattr(core, _DOWN, None) is not None and core.scheduler.get_num_unfinished_requests():
         status = _group_down(core)
         if status is not None:
-            return _fail_all(core, status), False
+            return _fail_all(core, status, stepped=False), False
         setattr(core, _DOWN, None)
         logger.info("AFD: the attention engine's group is up again; serving requests")
+    began = time.time()
     try:
         return original(core, *args, **kwargs)
     except Exception:
-        status = _group_down(core)
+        status = _group_down(core, lost_since=began)
         if status is None:
             raise
-        setattr(core, _DOWN, status)
-        return _fail_all(core, status), False
+        setattr(core, _DOWN, status if not status.get("up", False) else None)
+        return _fail_all(core, status, stepped=True), False
 
 
 # ------------------------------------------------------------------ front end
