@@ -87,7 +87,9 @@ from afd_patches.workers.regroup import GroupKeeper
 logger = logging.getLogger("vllm.afd")  # under vLLM's logger: its handler, format and level (INFO)
 
 IDLE_TICK_S = 0.02
-REFORM_WAIT_S = 7 * 24 * 3600.0  # a new group after the first may take as long as a deploy takes
+REFORM_WAIT_S = 7 * 24 * 3600.0  # a group (the first one too) may take as long as a deploy takes
+FORM_RETRY_S = 1.0  # FFN: pause after a group that did not form, doubled per failure in a row ...
+FORM_RETRY_MAX_S = 10.0  # ... up to this (a right peer arriving then waits at most this long)
 
 
 def model_identity(vllm_config: Any) -> dict[str, Any]:
@@ -280,6 +282,7 @@ class FfnRoleMixin(_RoleBase):
     _afd_thread: threading.Thread | None = None
     _afd_error: BaseException | None = None
     _afd_batches = 0
+    _afd_failed_forms = 0  # formations that failed in a row (their retries back off)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -371,8 +374,10 @@ class FfnRoleMixin(_RoleBase):
         """Wait for a group (the first one as any later one) for as long as ``idle_timeout_s``; True once formed.
 
         A handshake that fails or times out (no attention rank yet, a
-        misconfigured one, a stranger holding the rendezvous) is logged and the
-        FFN rank waits for the next one: False. Only ``shutdown()`` ends the wait.
+        misconfigured one, a stranger holding the rendezvous, the port still
+        held by another program) is logged and the FFN rank waits for the next
+        one after ``FORM_RETRY_S`` (doubled per failure in a row, at most
+        ``FORM_RETRY_MAX_S``): False. Only ``shutdown()`` ends the wait.
         """
         cfg = self._afd_cfg
         logger.info("AFD FFN rank %d: waiting for %s group at %s:%s", cfg.rank, "a new" if groups else "its first",
@@ -383,8 +388,13 @@ class FfnRoleMixin(_RoleBase):
         except ConnectorError as e:
             if self._afd_stop.is_set():
                 raise
-            logger.error("AFD FFN rank %d: a group did not form (%s); still waiting for one", cfg.rank, e)
+            self._afd_failed_forms += 1
+            pause = min(FORM_RETRY_S * 2 ** (self._afd_failed_forms - 1), FORM_RETRY_MAX_S)
+            logger.error("AFD FFN rank %d: a group did not form (%s); waiting for one again in %.0fs", cfg.rank, e,
+                         pause)
+            self._afd_stop.wait(pause)  # a port held by another program fails at once: do not spin
             return False
+        self._afd_failed_forms = 0
         if groups:
             metrics.METRICS.add("group_reformations")
         group_gauge.set_up(True)
