@@ -299,7 +299,8 @@ def test_attention_server_outlives_ffn_restart(model_dir: Path, tmp_path: Path) 
     ffn_args = _server_args(model_dir, ffn_port, *arch, "--afd-role", "ffn", *common)
     # a SIGTERM gives the engine time to close the group cleanly (vLLM's default, 0, kills the worker at once, and
     # an FFN server that loses its attention rank uncleanly stops itself)
-    attn_args = _server_args(model_dir, attn_port, *arch, "--afd-role", "attention", *common, "--shutdown-timeout", "10")
+    attn_args = _server_args(model_dir, attn_port, *arch, "--afd-role", "attention", *common,
+                             "--shutdown-timeout", "10")
     with _servers() as procs:
         # the attention server comes up far later than timeout_s after the FFN server: the FFN server waits for
         # its first group as long as it takes (it no longer stops itself)
