@@ -29,7 +29,11 @@ Metrics (labels ``role``, ``rank``)
     ``vllm:afd_idle_steps`` (zero-token steps), ``vllm:afd_handshakes_accepted``
     / ``vllm:afd_handshakes_refused`` (rendezvous connections),
     ``vllm:afd_group_reformations`` (groups formed after the first).
-    Counters get Prometheus' ``_total`` suffix on the wire.
+    Counters get Prometheus' ``_total`` suffix on the wire. One gauge,
+    ``vllm:afd_group_up`` (``set_group_up``): 1 while this rank's group is formed,
+    0 while it waits for one (attention: from the loss of its FFN until the group
+    re-forms; FFN: while it waits for a group, the first one included); a value
+    other than 0 or 1 in a snapshot is skipped.
 
 Limits
     Offline engines (``LLM(...)``) export nothing; their counters are in
@@ -94,6 +98,14 @@ class AfdMetrics:
 
 
 METRICS = AfdMetrics()
+GROUP_UP = "group_up"  # the gauge's key in a snapshot's counts
+GROUP_UP_DOC = "1 while this AFD rank's group is formed, 0 while it waits for one (FFN lost, or no attention rank yet)."
+
+
+def set_group_up(up: bool) -> None:
+    """Record this process's group state (``vllm:afd_group_up``) for the next snapshot."""
+    METRICS.counts[GROUP_UP] = int(up)
+    METRICS.changed.set()
 
 
 # ------------------------------------------------------------------ worker side
@@ -184,7 +196,7 @@ class SnapshotCollector:
         return []  # not known before the first scrape; prometheus_client then skips the name-clash check
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         snaps = []
         with contextlib.suppress(OSError):
@@ -208,3 +220,9 @@ class SnapshotCollector:
                 cumulative.append((bound, running))
             hist.add_metric([str(snap.get("role")), str(snap.get("rank"))], cumulative, snap["latency_sum"])
         yield hist
+        gauge = GaugeMetricFamily(f"vllm:afd_{GROUP_UP}", GROUP_UP_DOC, labels=labels)
+        for snap in snaps:
+            value = snap["counts"].get(GROUP_UP)
+            if value in (0, 1) and not isinstance(value, bool):
+                gauge.add_metric([str(snap.get("role")), str(snap.get("rank"))], value)
+        yield gauge

@@ -195,7 +195,7 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _generate(llm: Any, spec: dict[str, Any]) -> tuple[list[list[int]], list[list[dict[str, float]]]]:
+def _generate(llm: Any, spec: dict[str, Any]) -> tuple[list[list[int]], list[list[dict[str, float]]], list[str]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -203,9 +203,9 @@ def _generate(llm: Any, spec: dict[str, Any]) -> tuple[list[list[int]], list[lis
                             ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [[{str(t): lp.logprob for t, lp in sorted(step.items())} for step in o.outputs[0].logprobs]
+    logprobs = [[{str(t): lp.logprob for t, lp in sorted(step.items())} for step in o.outputs[0].logprobs or []]
                 for o in outs]
-    return tokens, logprobs
+    return tokens, logprobs, [str(o.outputs[0].finish_reason) for o in outs]
 
 
 def main(spec_path: str) -> None:
@@ -230,7 +230,7 @@ def main(spec_path: str) -> None:
     else:
         t1 = time.monotonic()
         if spec.get("generate", True):
-            result["tokens"], result["logprobs"] = _generate(llm, spec)
+            result["tokens"], result["logprobs"], result["finish_reasons"] = _generate(llm, spec)
             result["seconds"]["generate"] = time.monotonic() - t1
         if spec.get("done_flag"):
             Path(spec["done_flag"]).write_text("done")

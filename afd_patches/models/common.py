@@ -49,11 +49,16 @@ import torch
 from torch import nn
 
 from afd_patches.config import AfdConfig, from_additional_config
+from afd_patches.connectors.base import ConnectorError
 from afd_patches.topology import ATTENTION, FFN
 
 if TYPE_CHECKING:
     from afd_patches.connectors.base import Connector
 
+
+
+class AfdGroupDown(ConnectorError):
+    """The attention rank has no AFD group now (its FFN role was lost; the worker is re-forming the group)."""
 
 
 class AfdLink:
@@ -62,7 +67,11 @@ class AfdLink:
     ``begin_step()`` is called once per model forward; ``exchange()`` once per
     layer per forward, so ``exchanges == layers * steps`` by construction.
     ``lock`` is held for a whole step (real forward or ``idle_step``), so steps
-    never interleave on the connector.
+    never interleave on the connector, and ``swap()`` (the worker replacing a
+    lost group's connector) never happens inside a step.
+
+    While the group is down (``down`` names why; ``connector`` is None) every
+    exchange raises ``AfdGroupDown`` with that reason, and idle steps are skipped.
     """
 
     def __init__(self, num_layers: int = 0, hidden_size: int = 0, dtype: torch.dtype = torch.float32,
@@ -77,6 +86,13 @@ class AfdLink:
         self.dtype = dtype
         self.lock = threading.RLock()
         self.last_active = time.monotonic()
+        self.down: str | None = None
+
+    def swap(self, connector: Connector | None, down: str | None = None) -> Connector | None:
+        """Between steps, bind ``connector`` (None: the group is down because of ``down``); return the old one."""
+        with self.lock:
+            old, self.connector, self.down = self.connector, connector, (None if connector else down)
+        return old
 
     def begin_step(self) -> int:
         self.step += 1
@@ -85,6 +101,8 @@ class AfdLink:
     def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
         """Send ``hidden`` for ``layer`` of the current step; return the FFN output (same shape)."""
         if self.connector is None:
+            if self.down is not None:
+                raise AfdGroupDown(self.down)
             raise RuntimeError(
                 "AFD attention model ran a forward before a connector was bound "
                 "(the attention role needs afd_patches' attention worker)"
@@ -101,11 +119,14 @@ class AfdLink:
         """A zero-token step (every layer, empty tensors) if no step ran for ``idle_for_s``.
 
         Keeps an idle attention rank in step with the busy ranks that share its
-        FFN rank. Non-blocking: returns False when a real step holds the lock.
+        FFN rank. Non-blocking: returns False when a real step holds the lock,
+        and while the group is down.
         """
         if time.monotonic() - self.last_active < idle_for_s or not self.lock.acquire(blocking=False):
             return False
         try:
+            if self.connector is None:
+                return False
             self.begin_step()
             empty = torch.empty((0, self.hidden_size), dtype=self.dtype)
             for layer in range(self.num_layers):

