@@ -14,15 +14,17 @@ the role from ``vllm_config.additional_config["afd"]`` and:
   checks (MoE bookkeeping, DeepSeek's float16 rescaling of dense MLP outputs)
   behave as without AFD; MoE proxies report no experts. Every layer call sends
   the post-attention-norm hidden states through the connector and returns what
-  comes back. ``load_weights`` drops the FFN weights before delegating to vLLM.
+  comes back, through the registered operator ``afd::exchange``
+  (``afd_patches.models.exchange_op``), which vLLM's compiler treats as opaque.
+  ``load_weights`` drops the FFN weights before delegating to vLLM.
 - FFN role: builds only ``model.layers[i].<afd_ffn_attr>`` (via the subclass's
   ``afd_build_ffn``), so parameter names match the checkpoint, and loads only
-  those weights. ``afd_ffn(layer, x)`` runs one layer's FFN; ``forward`` is
-  not available.
+  those weights. ``afd_ffn(layer, x)`` runs one layer's FFN (compiled where
+  vLLM would compile the model, see ``afd_patches.models.ffn_compile``);
+  ``forward`` is not available.
 
-Limits: no pipeline parallelism (every layer must be local), no torch.compile
-or CUDA graphs on the attention side (the exchange is a Python-level call;
-use ``enforce_eager=True``), no LoRA on FFN modules. The rebinding lasts for
+Limits: no pipeline parallelism (every layer must be local), no LoRA on FFN
+modules; on CUDA only piecewise CUDA graphs (``afd_patches.compat.compilation``). The rebinding lasts for
 the attention model's ``__init__`` only, under a process-wide lock: another
 thread that builds a plain model of the same vLLM module at that moment would
 get proxies too (vLLM builds one model per worker process). A vLLM whose
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from afd_patches.config import AfdConfig, from_additional_config
+from afd_patches.models import exchange_op
 
 if TYPE_CHECKING:
     from afd_patches.connectors.base import Connector
@@ -53,13 +56,29 @@ ATTENTION = "attention"
 FFN = "ffn"
 
 
+class PendingExchange:
+    """A sent layer whose FFN output has not been received yet (``AfdLink.send``'s handle)."""
+
+    __slots__ = ("device", "dtype", "layer", "link", "shape", "step")
+
+    def __init__(self, link: AfdLink, layer: int, step: int, hidden: torch.Tensor) -> None:
+        self.link, self.layer, self.step = link, layer, step
+        self.shape, self.device, self.dtype = hidden.shape, hidden.device, hidden.dtype
+
+    def wait(self) -> torch.Tensor:
+        """The FFN output for the sent hidden states (same shape, device and dtype)."""
+        return self.link.wait(self)
+
+
 class AfdLink:
     """The attention side's end of the exchange: connector plus forward-step counter.
 
     ``begin_step()`` is called once per model forward; ``exchange()`` once per
     layer per forward, so ``exchanges == layers * steps`` by construction.
-    ``lock`` is held for a whole step (real forward or ``idle_step``), so steps
-    never interleave on the connector.
+    ``exchange`` is ``send`` then ``wait`` on the handle it returns (a schedule
+    that overlaps micro-batches calls them apart). ``lock`` is held for a whole
+    step (real forward or ``idle_step``), so steps never interleave on the
+    connector. ``op_id`` is this link's index for the ``afd::exchange`` operator.
     """
 
     def __init__(self, num_layers: int = 0, hidden_size: int = 0, dtype: torch.dtype = torch.float32) -> None:
@@ -72,6 +91,7 @@ class AfdLink:
         self.dtype = dtype
         self.lock = threading.RLock()
         self.last_active = time.monotonic()
+        self.op_id = exchange_op.register(self)
 
     def begin_step(self) -> int:
         self.step += 1
@@ -79,18 +99,28 @@ class AfdLink:
 
     def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
         """Send ``hidden`` for ``layer`` of the current step; return the FFN output (same shape)."""
+        return self.send(hidden, layer).wait()
+
+    def send(self, hidden: torch.Tensor, layer: int) -> PendingExchange:
+        """Send ``hidden`` for ``layer`` of the current step; the handle whose ``wait()`` returns the answer."""
         if self.connector is None:
             raise RuntimeError(
                 "AFD attention model ran a forward before a connector was bound "
                 "(the attention role needs afd_patches' attention worker)"
             )
         self.connector.send_attn_output(hidden.contiguous(), layer, self.step)
-        out = self.connector.recv_ffn_output(layer, self.step)
+        return PendingExchange(self, layer, self.step, hidden)
+
+    def wait(self, pending: PendingExchange) -> torch.Tensor:
+        """Receive the FFN output for ``pending`` (see ``send``); checked against the sent shape."""
+        if self.connector is None:
+            raise RuntimeError("AFD: the connector was closed while an exchange was pending")
+        out = self.connector.recv_ffn_output(pending.layer, pending.step)
         self.exchanges += 1
-        if out.shape != hidden.shape:
-            raise RuntimeError(f"AFD layer {layer} step {self.step}: FFN returned {tuple(out.shape)}, "
-                               f"expected {tuple(hidden.shape)}")
-        return out.to(device=hidden.device, dtype=hidden.dtype)
+        if out.shape != pending.shape:
+            raise RuntimeError(f"AFD layer {pending.layer} step {pending.step}: FFN returned {tuple(out.shape)}, "
+                               f"expected {tuple(pending.shape)}")
+        return out.to(device=pending.device, dtype=pending.dtype)
 
     def try_idle_step(self, idle_for_s: float) -> bool:
         """A zero-token step (every layer, empty tensors) if no step ran for ``idle_for_s``.
@@ -113,15 +143,18 @@ class AfdLink:
 
 
 class AfdFfnProxy(nn.Module):
-    """Stands in for a decoder layer's MLP/MoE on the attention role; holds no parameters."""
+    """Stands in for a decoder layer's MLP/MoE on the attention role; holds no parameters.
+
+    Its forward is one ``afd::exchange`` operator call (traced as one opaque node when vLLM compiles).
+    """
 
     def __init__(self, link: AfdLink, layer: int) -> None:
         nn.Module.__init__(self)  # not super(): in a proxy_type the FFN class follows in the MRO
         self.layer = layer
-        self._link = link  # a plain object, not a submodule
+        self.link_id = link.op_id
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._link.exchange(hidden_states, self.layer)
+        return exchange_op.exchange(hidden_states, self.link_id, self.layer)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}"
@@ -336,10 +369,11 @@ class AfdCausalLMMixin(nn.Module):
         self._afd_link.connector = connector
 
     def afd_stats(self) -> dict[str, int]:
-        """Forward steps and layer exchanges so far (attention role), and layer count."""
+        """Forward steps and layer exchanges so far (attention role), layer count, and (FFN role) the seconds
+        ``afd_compile_ffn`` spent."""
         layers = len(self._afd_layers())
         if self.afd_role != ATTENTION:
-            return {"layers": layers}
+            return {"layers": layers, "ffn_compile_s": getattr(self, "_afd_ffn_compile_s", 0.0)}
         link = self._afd_link
         return {"layers": layers, "steps": link.step + 1, "exchanges": link.exchanges, "idle_steps": link.idle_steps}
 
@@ -347,15 +381,31 @@ class AfdCausalLMMixin(nn.Module):
         """The attention role's link (the attention worker drives idle steps through it)."""
         return self._afd_link
 
+    def afd_compile_ffn(self, device: torch.device, dtype: torch.dtype) -> float:
+        """FFN role, once after loading: compile every layer's FFN module where vLLM would compile a model
+        (``afd_patches.models.ffn_compile``); ``afd_ffn`` runs the compiled ones from then on. Seconds spent."""
+        from afd_patches.models import ffn_compile
+
+        modules = [getattr(layer, self.afd_ffn_attr) for layer in self._afd_layers()]
+        calls, seconds = ffn_compile.compile_ffn_modules(modules, self.vllm_config, self._afd_run_ffn,
+                                                         self.vllm_config.model_config.get_hidden_size(), device, dtype)
+        self._afd_ffn_calls = calls
+        self._afd_ffn_compile_s = seconds
+        return seconds
+
     def afd_ffn(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """FFN role: run layer ``layer``'s FFN on ``hidden`` ([tokens, hidden])."""
-        module = getattr(self._afd_layers()[layer], self.afd_ffn_attr)
+        """FFN role: run layer ``layer``'s FFN on ``hidden`` ([tokens, hidden]), compiled if ``afd_compile_ffn`` ran."""
+        calls = getattr(self, "_afd_ffn_calls", None)
+        call = calls[layer] if calls else getattr(self._afd_layers()[layer], self.afd_ffn_attr)
+        return self._afd_run_ffn(call, hidden)
+
+    def _afd_run_ffn(self, call: Any, hidden: torch.Tensor) -> torch.Tensor:
         if not self.afd_needs_forward_context:
-            return module(hidden)  # type: ignore[no-any-return]
+            return call(hidden)  # type: ignore[no-any-return]
         from vllm.forward_context import set_forward_context
 
         with set_forward_context(None, self.vllm_config, num_tokens=hidden.shape[0]):
-            return module(hidden)  # type: ignore[no-any-return]
+            return call(hidden)  # type: ignore[no-any-return]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Attention role: one forward step (exchanges once per layer). FFN role: not available."""
