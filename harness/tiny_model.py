@@ -35,8 +35,10 @@ WIDE: dict[str, dict[str, int]] = {  # vocab 2048 and 64 positions: the rotary c
 }
 
 
-def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False) -> Path:
-    """Write config.json + model.safetensors for ``arch`` (``WIDE[arch]`` if ``wide``) into ``out``.
+def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False,
+          overrides: dict[str, int] | None = None) -> Path:
+    """Write config.json + model.safetensors for ``arch`` (``WIDE[arch]`` if ``wide``, then ``overrides``,
+    e.g. a compute-heavy ``hidden_size``) into ``out``.
 
     Idempotent (an existing ``out/config.json`` is kept); returns ``out``.
     """
@@ -48,7 +50,7 @@ def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False) -> 
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r} (known: {', '.join(ARCHES)})")
     torch.manual_seed(seed)
-    common = {**COMMON, **(WIDE[arch] if wide else {})}
+    common = {**COMMON, **(WIDE[arch] if wide else {}), **(overrides or {})}
     if arch == "llama":
         config = transformers.LlamaConfig(**common)
         model = transformers.LlamaForCausalLM(config)

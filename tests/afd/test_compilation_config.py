@@ -1,7 +1,7 @@
 """AFD's compilation rules (afd_patches/compat/compilation.py) on vLLM's real config objects.
 
 The CUDA branch is exercised here with ``cuda=True`` on vLLM's own ``CompilationConfig``: what
-vLLM then does with it on a GPU is scripts/gpu_check's job (``compile`` check).
+vLLM then does with it on a GPU is scripts/gpu_check's job (its ``piecewise`` check).
 """
 
 from __future__ import annotations
