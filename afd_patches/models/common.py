@@ -268,6 +268,8 @@ class AfdCausalLMMixin(nn.Module):
 
     afd_role: str
     _afd_link: AfdLink
+    _afd_ffn_calls: list[Any] | None = None  # FFN role: the compiled per-layer modules (afd_compile_ffn)
+    _afd_ffn_compile_s = 0.0
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
         cfg = afd_config_of(vllm_config)
@@ -373,7 +375,7 @@ class AfdCausalLMMixin(nn.Module):
         ``afd_compile_ffn`` spent."""
         layers = len(self._afd_layers())
         if self.afd_role != ATTENTION:
-            return {"layers": layers, "ffn_compile_s": getattr(self, "_afd_ffn_compile_s", 0.0)}
+            return {"layers": layers, "ffn_compile_s": self._afd_ffn_compile_s}
         link = self._afd_link
         return {"layers": layers, "steps": link.step + 1, "exchanges": link.exchanges, "idle_steps": link.idle_steps}
 
@@ -395,7 +397,7 @@ class AfdCausalLMMixin(nn.Module):
 
     def afd_ffn(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """FFN role: run layer ``layer``'s FFN on ``hidden`` ([tokens, hidden]), compiled if ``afd_compile_ffn`` ran."""
-        calls = getattr(self, "_afd_ffn_calls", None)
+        calls = self._afd_ffn_calls
         call = calls[layer] if calls else getattr(self._afd_layers()[layer], self.afd_ffn_attr)
         return self._afd_run_ffn(call, hidden)
 

@@ -15,7 +15,8 @@ Caches: inductor's artifacts go under ``$VLLM_CACHE_ROOT/torch_compile_cache/afd
 (``TORCHINDUCTOR_CACHE_DIR`` for this process), where ``<hash>`` is the hash of vLLM's own
 compile-cache factors for this engine (``aot_compile_hash_factors``: environment, the whole
 ``VllmConfig`` including ``additional_config``), so a second start of the same FFN engine
-reuses them; dynamo still traces each layer at start (about a second per layer here). Like
+reuses them (``VLLM_DISABLE_COMPILE_CACHE=1`` switches inductor's caches off, as it switches
+vLLM's off); dynamo still traces each layer at start. Like
 vLLM's, these caches hold generated code that torch loads and runs: the cache root must be
 as private as the code itself.
 
@@ -58,6 +59,7 @@ def cache_dir(vllm_config: Any) -> str:
 
 
 def _compile(module: nn.Module, vllm_config: Any) -> FfnCall:
+    from vllm import envs
     from vllm.config import CompilationMode
 
     compilation = vllm_config.compilation_config
@@ -65,6 +67,8 @@ def _compile(module: nn.Module, vllm_config: Any) -> FfnCall:
     options: dict[str, Any] = {}
     if backend == "inductor":
         options.update(compilation.inductor_compile_config)
+    if envs.VLLM_DISABLE_COMPILE_CACHE:
+        options["force_disable_caches"] = True
     if compilation.mode != CompilationMode.STOCK_TORCH_COMPILE:  # which keeps torch's guards, as in vLLM
         options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
     return torch.compile(module, fullgraph=True, dynamic=False, backend=backend,  # type: ignore[return-value]
