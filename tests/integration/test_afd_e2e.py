@@ -147,8 +147,9 @@ def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
           f"attention {attn['seconds']}, ffn {ffn['seconds']}, steps {attn['stats'][0]['steps']}")
 
 
-def _cache_files(folder: Path) -> set[str]:
-    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+def _compiled_graphs(folder: Path) -> set[str]:
+    """Inductor's FX-graph cache entries under ``folder`` (one per graph inductor compiled, not per hit)."""
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and "fxgraph" in p.parts}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "deepseek_v2"])
@@ -156,8 +157,11 @@ def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) ->
     """At vLLM's default compilation (CPU: dynamo + inductor) on both sides: the attention model is
     compiled around the ``afd::exchange`` operator and the FFN role compiles its per-layer modules;
     greedy tokens and top-5 logprobs equal plain vLLM's, compiled the same way. Llama also starts the
-    pair a second time on the same configuration: the attention role loads vLLM's AOT artifact and
-    the FFN role's compile writes nothing new (its inductor cache hit), and both are exact again."""
+    pair a second time on the same configuration: neither role compiles a graph with inductor again
+    (no new FX-graph cache entry under vLLM's compile cache, for the attention model's AOT folder and
+    the FFN role's ``afd_ffn`` folder alike), and both are exact again. (vLLM 0.32 on CPU does not
+    reload its saved AOT artifact -- "'function' object has no attribute 'finalize_loading'", plain
+    vLLM alike -- so dynamo traces again; inductor's cache under the same folder is what is reused.)"""
     model = _build_model(workdir, family)
     (plain,) = _run_engines([_spec(f"{family}-plain-compiled", "plain", model, family, compiled=True)], workdir)
     afd = _afd(1)
@@ -171,12 +175,12 @@ def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) ->
           f"attention {attn['seconds']}, ffn {ffn['seconds']} (FFN compile {ffn['stats'][0]['ffn_compile_s']:.1f} s)")
     if family != "llama":
         return
-    ffn_cache = REPO / ".cache" / "vllm" / "torch_compile_cache" / "afd_ffn"
-    before = _cache_files(ffn_cache)
+    cache = REPO / ".cache" / "vllm" / "torch_compile_cache"
+    before = _compiled_graphs(cache)
+    assert any(p.startswith("afd_ffn/") for p in before) and any(p.startswith("torch_aot_compile/") for p in before)
     ffn2, attn2 = _run_engines([dict(s) for s in specs], workdir, stagger_s=1.0)
     _assert_same_outputs(plain, attn2)
-    assert "Directly load AOT compilation" in tail(workdir / f"log-{family}-attn-compiled.txt", 1 << 30)
-    assert _cache_files(ffn_cache) == before
+    assert _compiled_graphs(cache) == before
     print(f"second start: attention {attn2['seconds']['start']:.1f} s (first {attn['seconds']['start']:.1f}), "
           f"FFN compile {ffn2['stats'][0]['ffn_compile_s']:.1f} s (first {ffn['stats'][0]['ffn_compile_s']:.1f})")
 
