@@ -61,6 +61,14 @@ def test_piecewise_compilation_splits_at_the_exchange_next_to_vllms_attention_op
     assert OP_NAME not in ffn.splitting_ops
 
 
+def test_full_graphs_vllm_chose_itself_are_refused_after_the_config() -> None:
+    compilation = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode="FULL")
+    compilation.set_splitting_ops_for_v1(all2all_backend="naive")
+    with pytest.raises(AfdCompilationError, match=r"cudagraph_mode=FULL \(set by vLLM while building the config\)"):
+        after_config(SimpleNamespace(compilation_config=compilation), "attention")
+    after_config(SimpleNamespace(compilation_config=compilation), "ffn")  # the FFN role captures nothing
+
+
 def test_cpu_default_mode_needs_no_split() -> None:
     compilation = CompilationConfig(mode=CompilationMode.DYNAMO_TRACE_ONCE)
     compilation.set_splitting_ops_for_v1(all2all_backend="naive")
