@@ -61,14 +61,16 @@ SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
 class Server:
-    """One API server in its own session (so its engine core and worker are found and stopped with it)."""
+    """One API server in its own session (so its engine core and worker are found and stopped with it);
+    ``eager`` passes ``--enforce-eager`` (else vLLM's default compilation)."""
 
     def __init__(self, name: str, model: Path, log_dir: Path, extra: list[str], env: dict[str, str],
-                 cpus: str | None) -> None:
+                 cpus: str | None, eager: bool = True) -> None:
         self.name, self.port = name, free_port()
-        args = [*SERVER, "--model", str(model), "--host", HOST, "--port", str(self.port), "--enforce-eager",
-                "--max-model-len", "256", "--dtype", "float32", "--seed", "0", "--max-num-seqs", "16",
-                "--max-num-batched-tokens", "256", "--kv-cache-memory-bytes", str(64 << 20), *extra]
+        args = [*SERVER, "--model", str(model), "--host", HOST, "--port", str(self.port),
+                *(["--enforce-eager"] if eager else []), "--max-model-len", "256", "--dtype", "float32", "--seed",
+                "0", "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--kv-cache-memory-bytes",
+                str(64 << 20), *extra]
         if cpus:
             args = ["taskset", "-c", cpus, *args]
         self.log = log_dir / f"{name}.log"

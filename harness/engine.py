@@ -1,6 +1,7 @@
 """The one vLLM driver of the tests, the demo and the benchmarks: an engine per process.
 
-Every run, plain or AFD, builds ``LLM(**engine_kwargs(spec))``: ``enforce_eager=True``,
+Every run, plain or AFD, builds ``LLM(**engine_kwargs(spec))``: ``enforce_eager=True`` unless
+the spec's ``compiled`` is true (then vLLM's default compilation: on CPU dynamo + inductor),
 ``max_model_len=256``, ``skip_tokenizer_init=True`` (token-id prompts), the checkpoint's dtype
 (``checkpoint_dtype``: float32, bfloat16 for the Gated-DeltaNet hybrids; SPEC ``dtype`` overrides), seed 0, a
 64 MiB KV cache, ``max_num_seqs=8``; sampling is greedy (temperature 0, ``ignore_eos``) with
@@ -11,10 +12,10 @@ repository root). SPEC keys: ``mode`` (plain | attention | ffn), ``model``, ``pr
 (token-id lists), ``max_tokens``, ``logprobs``, ``out`` (result JSON path); for the AFD
 roles ``arch`` (the AFD architecture) and ``afd`` (the ``additional_config["afd"]`` mapping);
 for a plain run optionally ``additional_config`` and ``hf_overrides`` as given (a run that
-asks for AFD the wrong way). Optional: ``multiprocessing`` (vLLM's own process split: front
-end, engine core, worker; default off: one process), ``env`` (extra environment variables),
-``ffn_wait_s``, ``ready_flag`` (a file created once the engine is up), ``generate`` (default
-true; false for an idle attention rank), ``done_flag`` (a file created once generation is
+asks for AFD the wrong way). Optional: ``compiled`` (default false: eager), ``multiprocessing``
+(vLLM's own process split: front end, engine core, worker; default off: one process), ``env``
+(extra environment variables), ``ffn_wait_s``, ``ready_flag`` (a file created once the engine
+is up), ``generate`` (default true; false for an idle attention rank), ``done_flag`` (a file created once generation is
 done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
 keep an idle rank up while a busy one works). Writes ``{"tokens", "logprobs", "stats",
 "seconds", "worker_cls"}``. Each engine process runs in ``harness.env.vllm_env`` with
@@ -177,7 +178,7 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``LLM(...)`` keyword arguments for ``spec`` (the same settings for every mode)."""
     kwargs: dict[str, Any] = dict(
         model=spec["model"],
-        enforce_eager=True,
+        enforce_eager=not spec.get("compiled", False),
         max_model_len=256,
         skip_tokenizer_init=True,
         dtype=spec.get("dtype") or checkpoint_dtype(spec["model"]),

@@ -209,8 +209,10 @@ def _gpt_oss_rope(fields: dict[str, Any]) -> dict[str, Any]:
 DERIVED = {"gpt_oss": _gpt_oss_rope}  # family -> config fields computed from the others
 
 
-def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False) -> Path:
-    """Write config.json + model.safetensors for ``arch`` (``WIDE[arch]`` if ``wide``) into ``out``.
+def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False,
+          overrides: dict[str, int] | None = None) -> Path:
+    """Write config.json + model.safetensors for ``arch`` (``WIDE[arch]`` if ``wide``, then ``overrides``,
+    e.g. a compute-heavy ``hidden_size``) into ``out``.
 
     Idempotent (an existing ``out/config.json`` is kept); returns ``out``.
     """
@@ -223,7 +225,7 @@ def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False) -> 
         raise ValueError(f"unknown arch {arch!r} (known: {', '.join(ARCHES)})")
     torch.manual_seed(seed)
     name, fields = FAMILIES[arch]
-    merged = {**COMMON, **fields, **(WIDE[arch] if wide else {})}
+    merged = {**COMMON, **fields, **(WIDE[arch] if wide else {}), **(overrides or {})}
     merged = {k: v for k, v in merged.items() if v != DROP}
     merged.update(DERIVED[arch](merged) if arch in DERIVED else {})
     dtype = getattr(torch, str(merged["torch_dtype"]))

@@ -7,13 +7,10 @@ dataclass, JSON Schema) is loaded only when an engine asks for AFD.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 from afd_patches import CONFIG_KEY
-
-_EAGER_LOGGED: list[bool] = []  # the "enforce_eager forced" line is logged once per process
 
 
 class AfdUnavailable(RuntimeError):
@@ -54,7 +51,8 @@ def role_of(vllm_config: Any) -> str | None:
 
 
 def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: Any, **kwargs: Any) -> Any:
-    """Check ``additional_config["afd"]`` before any config is built; store it normalized."""
+    """Check ``additional_config["afd"]`` before any config is built; store it normalized; apply AFD's
+    compilation rules around vLLM's (``afd_patches.compat.compilation``)."""
     additional = getattr(engine_args, "additional_config", None) or {}
     if CONFIG_KEY in additional:
         from afd_patches.config import parse  # only runs that ask for AFD pay for jsonschema
@@ -64,18 +62,12 @@ def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: A
         engine_args.additional_config = {**additional, CONFIG_KEY: cfg.to_dict()}
         if cfg.role == "ffn":
             engine_args.enable_prefix_caching = False  # the FFN role has no KV cache to share
-        _force_eager(engine_args, cfg.role)
+        from vllm.platforms import current_platform
+
+        from afd_patches.compat import compilation
+
+        compilation.before_config(engine_args, cfg.role, current_platform.is_cuda())
+        vllm_config = original(engine_args, *args, **kwargs)
+        compilation.after_config(vllm_config, cfg.role)
+        return vllm_config
     return original(engine_args, *args, **kwargs)
-
-
-def _force_eager(engine_args: Any, role: str) -> None:
-    """AFD runs both roles with ``enforce_eager=True``: the per-layer exchange is a Python call with host
-    synchronisation, which torch.compile would trace into and CUDA-graph capture cannot contain."""
-    if getattr(engine_args, "enforce_eager", False):
-        return
-    engine_args.enforce_eager = True
-    if not _EAGER_LOGGED:
-        _EAGER_LOGGED.append(True)
-        logging.getLogger("afd").warning(
-            "AFD: enforce_eager=True forced for the %s role (no torch.compile or CUDA graphs across the "
-            "per-layer exchange)", role)

@@ -14,19 +14,21 @@ the role from ``vllm_config.additional_config["afd"]`` and:
   checks (MoE bookkeeping, DeepSeek's float16 rescaling of dense MLP outputs)
   behave as without AFD; MoE proxies report no experts. Every layer call sends
   the post-attention-norm hidden states through the connector and returns what
-  comes back. ``load_weights`` drops the FFN weights before delegating to vLLM.
+  comes back, through the registered operator ``afd::exchange``
+  (``afd_patches.models.exchange_op``), which vLLM's compiler treats as opaque.
+  ``load_weights`` drops the FFN weights before delegating to vLLM.
 - FFN role: builds only ``model.layers[i].<afd_ffn_attr>`` (via the subclass's
   ``afd_build_ffn``; ``afd_build_ffn_layer`` for a layer with several FFN
   modules), so parameter names match the checkpoint, and loads only those
-  weights. ``afd_ffn(layer, x)`` runs one layer's FFN; ``forward`` is not
-  available.
+  weights. ``afd_ffn(layer, x)`` runs one layer's FFN (compiled where vLLM
+  would compile the model, see ``afd_patches.models.ffn_compile``); ``forward``
+  is not available.
 - A decoder layer that builds a second FFN module and adds its output to the
   first's (Step-3's ``share_expert``) names it in ``afd_folded_ffn_attrs``: its
   proxy returns zeros without exchanging, and the FFN role computes the sum.
 
-Limits: no pipeline parallelism (every layer must be local), no torch.compile
-or CUDA graphs on the attention side (the exchange is a Python-level call;
-use ``enforce_eager=True``), no LoRA on FFN modules. The rebinding lasts for
+Limits: no pipeline parallelism (every layer must be local), no LoRA on FFN
+modules; on CUDA only piecewise CUDA graphs (``afd_patches.compat.compilation``). The rebinding lasts for
 the attention model's ``__init__`` only, under a process-wide lock: another
 thread that builds a plain model of the same vLLM module at that moment would
 get proxies too (vLLM builds one model per worker process). A vLLM whose
@@ -50,6 +52,7 @@ from torch import nn
 
 from afd_patches.config import AfdConfig, from_additional_config
 from afd_patches.connectors.base import ConnectorError
+from afd_patches.models import exchange_op
 from afd_patches.topology import ATTENTION, FFN
 
 if TYPE_CHECKING:
@@ -61,14 +64,31 @@ class AfdGroupDown(ConnectorError):
     """The attention rank has no AFD group now (its FFN role was lost; the worker is re-forming the group)."""
 
 
+class PendingExchange:
+    """A sent layer whose FFN output has not been received yet (``AfdLink.send``'s handle)."""
+
+    __slots__ = ("device", "dtype", "layer", "link", "shape", "step")
+
+    def __init__(self, link: AfdLink, layer: int, step: int, hidden: torch.Tensor) -> None:
+        self.link, self.layer, self.step = link, layer, step
+        self.shape, self.device, self.dtype = hidden.shape, hidden.device, hidden.dtype
+
+    def wait(self) -> torch.Tensor:
+        """The FFN output for the sent hidden states (same shape, device and dtype)."""
+        return self.link.wait(self)
+
+
 class AfdLink:
     """The attention side's end of the exchange: connector plus forward-step counter.
 
     ``begin_step()`` is called once per model forward; ``exchange()`` once per
     layer per forward, so ``exchanges == layers * steps`` by construction.
-    ``lock`` is held for a whole step (real forward or ``idle_step``), so steps
-    never interleave on the connector, and ``swap()`` (the worker replacing a
-    lost group's connector) never happens inside a step.
+    ``exchange`` is ``send`` then ``wait`` on the handle it returns (a schedule
+    that overlaps micro-batches calls them apart). ``lock`` is held for a whole
+    step (real forward or ``idle_step``), so steps never interleave on the
+    connector, and ``swap()`` (the worker replacing a lost group's connector)
+    never happens inside a step. ``op_id`` is this link's index for the
+    ``afd::exchange`` operator.
 
     While the group is down (``down`` names why; ``connector`` is None) every
     exchange raises ``AfdGroupDown`` with that reason, and idle steps are skipped.
@@ -86,6 +106,7 @@ class AfdLink:
         self.dtype = dtype
         self.lock = threading.RLock()
         self.last_active = time.monotonic()
+        self.op_id = exchange_op.register(self)
         self.down: str | None = None
 
     def swap(self, connector: Connector | None, down: str | None = None) -> Connector | None:
@@ -100,6 +121,10 @@ class AfdLink:
 
     def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
         """Send ``hidden`` for ``layer`` of the current step; return the FFN output (same shape)."""
+        return self.send(hidden, layer).wait()
+
+    def send(self, hidden: torch.Tensor, layer: int) -> PendingExchange:
+        """Send ``hidden`` for ``layer`` of the current step; the handle whose ``wait()`` returns the answer."""
         if self.connector is None:
             if self.down is not None:
                 raise AfdGroupDown(self.down)
@@ -108,12 +133,18 @@ class AfdLink:
                 "(the attention role needs afd_patches' attention worker)"
             )
         self.connector.send_attn_output(hidden.contiguous(), layer, self.step)
-        out = self.connector.recv_ffn_output(layer, self.step)
+        return PendingExchange(self, layer, self.step, hidden)
+
+    def wait(self, pending: PendingExchange) -> torch.Tensor:
+        """Receive the FFN output for ``pending`` (see ``send``); checked against the sent shape."""
+        if self.connector is None:
+            raise RuntimeError("AFD: the connector was closed while an exchange was pending")
+        out = self.connector.recv_ffn_output(pending.layer, pending.step)
         self.exchanges += 1
-        if out.shape != hidden.shape:
-            raise RuntimeError(f"AFD layer {layer} step {self.step}: FFN returned {tuple(out.shape)}, "
-                               f"expected {tuple(hidden.shape)}")
-        return out.to(device=hidden.device, dtype=hidden.dtype)
+        if out.shape != pending.shape:
+            raise RuntimeError(f"AFD layer {pending.layer} step {pending.step}: FFN returned {tuple(out.shape)}, "
+                               f"expected {tuple(pending.shape)}")
+        return out.to(device=pending.device, dtype=pending.dtype)
 
     def try_idle_step(self, idle_for_s: float) -> bool:
         """A zero-token step (every layer, empty tensors) if no step ran for ``idle_for_s``.
@@ -141,6 +172,8 @@ class AfdLink:
 class AfdFfnProxy(nn.Module):
     """Stands in for a decoder layer's MLP/MoE on the attention role; holds no parameters.
 
+    Its forward is one ``afd::exchange`` operator call (traced as one opaque node when vLLM compiles).
+
     ``folded``: it stands for a module whose output the FFN role adds into the exchanged one (a
     shared expert that vLLM's decoder layer sums with the MoE output), so it returns zeros and
     exchanges nothing; the decoder layer's sum then equals the FFN role's exactly (``0 + y == y``).
@@ -150,12 +183,12 @@ class AfdFfnProxy(nn.Module):
         nn.Module.__init__(self)  # not super(): in a proxy_type the FFN class follows in the MRO
         self.layer = layer
         self.folded = folded
-        self._link = link  # a plain object, not a submodule
+        self.link_id = link.op_id
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.folded:
             return torch.zeros_like(hidden_states)
-        return self._link.exchange(hidden_states, self.layer)
+        return exchange_op.exchange(hidden_states, self.link_id, self.layer)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}" + (", folded" if self.folded else "")
@@ -293,6 +326,8 @@ class AfdCausalLMMixin(nn.Module):
 
     afd_role: str
     _afd_link: AfdLink
+    _afd_ffn_calls: list[Any] | None = None  # FFN role: the compiled per-layer modules (afd_compile_ffn)
+    _afd_ffn_compile_s = 0.0
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
         cfg = afd_config_of(vllm_config)
@@ -412,10 +447,11 @@ class AfdCausalLMMixin(nn.Module):
         self._afd_link.connector = connector
 
     def afd_stats(self) -> dict[str, int]:
-        """Forward steps and layer exchanges so far (attention role), and layer count."""
+        """Forward steps and layer exchanges so far (attention role), layer count, and (FFN role) the seconds
+        ``afd_compile_ffn`` spent."""
         layers = len(self._afd_layers())
         if self.afd_role != ATTENTION:
-            return {"layers": layers}
+            return {"layers": layers, "ffn_compile_s": self._afd_ffn_compile_s}
         link = self._afd_link
         return {"layers": layers, "steps": link.step + 1, "exchanges": link.exchanges, "idle_steps": link.idle_steps}
 
@@ -423,15 +459,31 @@ class AfdCausalLMMixin(nn.Module):
         """The attention role's link (the attention worker drives idle steps through it)."""
         return self._afd_link
 
+    def afd_compile_ffn(self, device: torch.device, dtype: torch.dtype) -> float:
+        """FFN role, once after loading: compile every layer's FFN module where vLLM would compile a model
+        (``afd_patches.models.ffn_compile``); ``afd_ffn`` runs the compiled ones from then on. Seconds spent."""
+        from afd_patches.models import ffn_compile
+
+        modules = [self.afd_ffn_of(layer) for layer in self._afd_layers()]
+        calls, seconds = ffn_compile.compile_ffn_modules(modules, self.vllm_config, self._afd_run_ffn,
+                                                         self.vllm_config.model_config.get_hidden_size(), device, dtype)
+        self._afd_ffn_calls = calls
+        self._afd_ffn_compile_s = seconds
+        return seconds
+
     def afd_ffn(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """FFN role: run layer ``layer``'s FFN on ``hidden`` ([tokens, hidden])."""
-        module = self.afd_ffn_of(self._afd_layers()[layer])
+        """FFN role: run layer ``layer``'s FFN on ``hidden`` ([tokens, hidden]), compiled if ``afd_compile_ffn`` ran."""
+        calls = self._afd_ffn_calls
+        call = calls[layer] if calls else self.afd_ffn_of(self._afd_layers()[layer])
+        return self._afd_run_ffn(call, hidden)
+
+    def _afd_run_ffn(self, call: Any, hidden: torch.Tensor) -> torch.Tensor:
         if not self.afd_needs_forward_context:
-            return module(hidden)  # type: ignore[no-any-return]
+            return call(hidden)  # type: ignore[no-any-return]
         from vllm.forward_context import set_forward_context
 
         with set_forward_context(None, self.vllm_config, num_tokens=hidden.shape[0]):
-            return module(hidden)  # type: ignore[no-any-return]
+            return call(hidden)  # type: ignore[no-any-return]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Attention role: one forward step (exchanges once per layer). FFN role: not available."""

@@ -317,6 +317,7 @@ class FfnRoleMixin(_RoleBase):
             raise RuntimeError(f"AFD FFN role needs an AFD<Arch> model, got {type(model).__name__}")
         self._afd_cfg = cfg
         self._afd_identity = model_identity(self.vllm_config)
+        model.afd_compile_ffn(*self._afd_placement(model))  # where vLLM compiles; a no-op otherwise
         self._afd_connector = build_connector(cfg, self._afd_identity)
         self._afd_group_ended = threading.Event()
         metrics.start_writer("ffn", cfg.rank)

@@ -1,13 +1,13 @@
 """AFD role workers on vLLM's GPU worker (``vllm.v1.worker.gpu_worker.Worker``).
 
 Selected by the manifest on the cuda platform only. Limits as in ``common``;
-``enforce_eager=True`` is forced on both roles by the config validation (no
-torch.compile or CUDA graphs across the exchange).
+the attention role is compiled piecewise with ``afd::exchange`` as a split point
+and full CUDA graphs refused (``afd_patches.compat.compilation``).
 
 Model runners: vLLM's GPU worker builds the V2 model runner
 (``vllm.v1.worker.gpu.model_runner``) when Triton works, else the V1 one. The
 attention role needs nothing runner-specific: both call the model's
-``forward`` (eagerly, with ``enforce_eager``), which exchanges per layer. The
+``forward`` (compiled piecewise, or eagerly), which exchanges per layer. The
 FFN role never runs a forward and has no KV cache, so it skips what both
 runners would build for one: ``initialize_from_config`` only records the
 (empty) block count instead of handing an empty KV cache config to the

@@ -17,6 +17,17 @@ What it runs
         locally; microseconds per exchange (median, p90) next to the local MLP alone;
       - ``close_while_blocked``: the FFN closes its connector from its main thread while the
         serve thread waits for an idle attention rank; close and the serve thread end in bound.
+    ``piecewise`` (call 3, about 1 minute): what AFD's piecewise CUDA graphs do on the attention
+    role (``afd_patches/compat/compilation.py``), without vLLM's compiler: two layers of
+    [piece: matmul + RMS norm] -> ``afd::exchange`` (the registered operator, through the real
+    connector to the FFN process's serve loop) -> [piece: residual add]; each piece is captured
+    once in a ``torch.cuda.CUDAGraph`` and replayed around the eager exchange, for every size in
+    ``--tokens`` (one graph pair per size, as vLLM captures per batch size); the result must be
+    bitwise equal to the same pieces run eagerly. This is what vLLM's ``splitting_ops`` produces
+    (the op outside every graph); whether vLLM's own piecewise backend does it on a real model is
+    for a vLLM run on a GPU. On ``--device cpu`` the pieces run without graphs (script self-test).
+    Written against torch's documented CUDA-graph API (capture on a side stream after a warm-up,
+    static input and output tensors, ``replay()``); it has not run on a GPU yet.
     ``idle`` (call 2, about 2 minutes): the FFN idles ``--idle-s`` (60) with ``timeout_s=10``
     (a group timeout of ``timeout_s`` would make NCCL's watchdog abort it); then one exchange
     must still work; then the attention process is killed (SIGKILL) while the FFN idles, and
@@ -34,6 +45,7 @@ Backends and devices
 How to run (repository root; a machine lent for a session takes the working tree)
     python scripts/gpu_check/check.py exchange            # call 1, give it 300 s
     python scripts/gpu_check/check.py idle                # call 2, give it 300 s
+    python scripts/gpu_check/check.py piecewise           # call 3, give it 180 s
     python scripts/gpu_check/check.py exchange --device cpu --hidden 256 --reps 5   # CPU self-test
     Each prints one JSON line per check (``CHECK {...}``) and ends with ``GPU_CHECK PASS`` or
     ``GPU_CHECK FAIL``; the exit status is 0 only for PASS. Results go in docs/benchmarks.md.
@@ -176,6 +188,69 @@ def _time_us(fn: Any, reps: int, device: torch.device) -> list[float]:
     return out
 
 
+def piecewise_sizes(conn: Any, opts: dict[str, Any], device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Per size: two layers, pieces captured in CUDA graphs (eager on CPU), the exchange between them."""
+    from afd_patches.models import exchange_op
+    from afd_patches.models.common import AfdLink
+
+    hidden = opts["hidden"]
+    link = AfdLink(2, hidden, dtype)
+    link.connector = conn
+    gen = torch.Generator().manual_seed(11)
+    weight = (torch.randn(hidden, hidden, generator=gen) * hidden ** -0.5).to(device, dtype)
+
+    def pre(h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(h @ weight.t(), (hidden,))
+
+    def post(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return h + y
+
+    results = []
+    for tokens in opts["tokens"]:
+        x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+        with torch.inference_mode():
+            link.begin_step()
+            h = x
+            for layer in range(2):
+                h = post(h, exchange_op.exchange(pre(h), link.op_id, layer))
+            reference = h.clone()
+            h_in, y_in = torch.zeros_like(x), torch.zeros_like(x)
+            graphs = device.type == "cuda"
+            if graphs:
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        pre(h_in), post(h_in, y_in)  # warm-up before capture, as torch documents
+                torch.cuda.current_stream(device).wait_stream(side)
+                g_pre, g_post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g_pre):
+                    a_out = pre(h_in)
+                with torch.cuda.graph(g_post):
+                    h_out = post(h_in, y_in)
+            link.begin_step()
+            h_in.copy_(x)
+            t0 = time.perf_counter()
+            for layer in range(2):
+                if graphs:
+                    g_pre.replay()
+                else:
+                    a_out = pre(h_in)
+                y_in.copy_(exchange_op.exchange(a_out, link.op_id, layer))
+                if graphs:
+                    g_post.replay()
+                else:
+                    h_out = post(h_in, y_in)
+                h_in.copy_(h_out)
+            if graphs:
+                torch.cuda.synchronize(device)
+            step_us = (time.perf_counter() - t0) * 1e6
+        results.append({"tokens": tokens, "hidden": hidden, "dtype": opts["dtype"], "cuda_graphs": graphs,
+                        "bitwise_equal": bool(torch.equal(h_in, reference)), "step_us": step_us,
+                        "exchanges": link.exchanges})
+    return results
+
+
 def attention_main(port: int, opts: dict[str, Any], inbox: Any, outbox: Any) -> None:
     """Exchange per ``opts["plan"]``: ``sizes`` (bitwise + timing), ``idle`` (one exchange after idling)."""
     device = setup("attention", opts)
@@ -200,7 +275,12 @@ def attention_main(port: int, opts: dict[str, Any], inbox: Any, outbox: Any) -> 
         return y
 
     try:
-        if opts["plan"] == "sizes":
+        if opts["plan"] == "piecewise":
+            for res in piecewise_sizes(conn, opts, device, dtype):
+                outbox.put(("piecewise", res))
+            outbox.put(("attention-idle", {}))
+            inbox.get(timeout=120)
+        elif opts["plan"] == "sizes":
             gen = torch.Generator().manual_seed(7)
             for tokens in opts["tokens"]:
                 x = torch.randn(tokens, opts["hidden"], generator=gen).to(device, dtype)
@@ -332,6 +412,22 @@ def check_exchange(opts: dict[str, Any]) -> None:
         pair.end()
 
 
+def check_piecewise(opts: dict[str, Any]) -> None:
+    pair = Pair({**opts, "plan": "piecewise"})
+    try:
+        for tokens in opts["tokens"]:
+            res = pair.wait_for("piecewise", 240)
+            if res is None:
+                report("piecewise", False, tokens=tokens, attention=pair.wait_for("attention", 1),
+                       ffn=pair.wait_for("ffn", 1))
+                return
+            report("piecewise", res["bitwise_equal"], **res)
+        pair.wait_for("attention-idle", 30)
+        pair.to_attn.put("done")
+    finally:
+        pair.end()
+
+
 def check_idle(opts: dict[str, Any]) -> None:
     pair = Pair({**opts, "plan": "idle"})
     try:
@@ -360,7 +456,7 @@ def check_idle(opts: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["exchange", "idle"])
+    parser.add_argument("what", choices=["exchange", "idle", "piecewise"])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", choices=["nccl", "gloo"])
     parser.add_argument("--hidden", type=int, default=4096)
@@ -387,6 +483,8 @@ def main() -> int:
         if gpus == 1:
             check_same_gpu(opts)
         check_exchange(opts)
+    elif args.what == "piecewise":
+        check_piecewise(opts)
     else:
         check_idle(opts)
     verdict = "PASS" if RESULTS and all(RESULTS) else "FAIL"

@@ -8,6 +8,9 @@ Checks: same greedy tokens and top-5 logprobs as plain vLLM; the attention
 model holds no MLP parameters; the FFN side has no KV cache and no attention
 parameters; messages exchanged == layers x forward steps.
 
+Engines run eagerly (``enforce_eager``) except in the compiled test, where every engine, plain
+and AFD, runs at vLLM's default compilation.
+
 Every engine process runs under a hard time limit and is killed (with its
 process group) when it overruns. Marked ``vllm``: needs the real vLLM.
 """
@@ -37,7 +40,7 @@ from harness.engine import (
     start,
     tail,
 )
-from harness.env import free_port
+from harness.env import REPO, free_port
 from harness.tiny_model import build
 
 pytestmark = pytest.mark.vllm
@@ -64,9 +67,10 @@ def _run_engines(specs: list[dict[str, Any]], tmp: Path, stagger_s: float = 0.0)
         pytest.fail(str(exc))
 
 
-def _spec(name: str, mode: str, model: Path, family: str, afd: dict[str, Any] | None = None) -> dict[str, Any]:
+def _spec(name: str, mode: str, model: Path, family: str, afd: dict[str, Any] | None = None,
+          compiled: bool = False) -> dict[str, Any]:
     return {"name": name, "mode": mode, "model": str(model), "arch": ARCH[family], "afd": afd or {},
-            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS}
+            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS, "compiled": compiled}
 
 
 def _assert_same_outputs(plain: dict[str, Any], afd: dict[str, Any]) -> float:
@@ -142,6 +146,44 @@ def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
     _check_roles(ffn, [attn])
     print(f"{family} 1A1F {schedule}: tokens equal, max |dlogprob| {worst:.2e}; plain {plain['seconds']}, "
           f"attention {attn['seconds']}, ffn {ffn['seconds']}, steps {attn['stats'][0]['steps']}")
+
+
+def _compiled_graphs(folder: Path) -> set[str]:
+    """Inductor's FX-graph cache entries under ``folder`` (one per graph inductor compiled, not per hit)."""
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and "fxgraph" in p.parts}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "deepseek_v2"])
+def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) -> None:
+    """At vLLM's default compilation (CPU: dynamo + inductor) on both sides: the attention model is
+    compiled around the ``afd::exchange`` operator and the FFN role compiles its per-layer modules;
+    greedy tokens and top-5 logprobs equal plain vLLM's, compiled the same way. Llama also starts the
+    pair a second time on the same configuration: neither role compiles a graph with inductor again
+    (no new FX-graph cache entry under vLLM's compile cache, for the attention model's AOT folder and
+    the FFN role's ``afd_ffn`` folder alike), and both are exact again. (vLLM 0.32 on CPU does not
+    reload its saved AOT artifact -- "'function' object has no attribute 'finalize_loading'", plain
+    vLLM alike -- so dynamo traces again; inductor's cache under the same folder is what is reused.)"""
+    model = _build_model(workdir, family)
+    (plain,) = _run_engines([_spec(f"{family}-plain-compiled", "plain", model, family, compiled=True)], workdir)
+    afd = _afd(1)
+    specs = [_spec(f"{family}-ffn-compiled", "ffn", model, family, {**afd, "role": "ffn"}, compiled=True),
+             _spec(f"{family}-attn-compiled", "attention", model, family, {**afd, "role": "attention"}, compiled=True)]
+    ffn, attn = _run_engines([dict(s) for s in specs], workdir, stagger_s=1.0)
+    worst = _assert_same_outputs(plain, attn)
+    _check_roles(ffn, [attn])
+    assert ffn["stats"][0]["ffn_compile_s"] > 0  # the FFN role compiled its modules
+    print(f"{family} 1A1F compiled: tokens equal, max |dlogprob| {worst:.2e}; plain {plain['seconds']}, "
+          f"attention {attn['seconds']}, ffn {ffn['seconds']} (FFN compile {ffn['stats'][0]['ffn_compile_s']:.1f} s)")
+    if family != "llama":
+        return
+    cache = REPO / ".cache" / "vllm" / "torch_compile_cache"
+    before = _compiled_graphs(cache)
+    assert any(p.startswith("afd_ffn/") for p in before) and any(p.startswith("torch_aot_compile/") for p in before)
+    ffn2, attn2 = _run_engines([dict(s) for s in specs], workdir, stagger_s=1.0)
+    _assert_same_outputs(plain, attn2)
+    assert _compiled_graphs(cache) == before
+    print(f"second start: attention {attn2['seconds']['start']:.1f} s (first {attn['seconds']['start']:.1f}), "
+          f"FFN compile {ffn2['stats'][0]['ffn_compile_s']:.1f} s (first {ffn['stats'][0]['ffn_compile_s']:.1f})")
 
 
 @pytest.mark.parametrize("family,schedule", [
