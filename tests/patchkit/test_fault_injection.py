@@ -3,7 +3,8 @@
 The plan of ``manifests/afd/vllm-0.32.yaml`` (its entries, order, ops, models and
 ``workers``) is retargeted onto a throwaway tree: ``fkvllm`` mimics vLLM
 (``EngineArgs.create_engine_config`` a method, ``add_cli_args`` a staticmethod,
-``from_cli_args`` a classmethod, a model registry) and ``fkafd`` the plugin. Three
+``from_cli_args`` a classmethod, a model registry, ``EngineCore.step``, the async
+``AsyncLLM.generate``/``check_health``) and ``fkafd`` the plugin. Three
 extra entries add ``replace`` and ``set`` ops. For each position in the plan, the
 entry there is made to fail at apply time: its callable's module fails to import,
 raises at module level, or lacks the name; its target is missing; its fingerprint
@@ -66,6 +67,21 @@ TREE = {
         ORIGINALS = dict(globals())
     """,
     "fkvllm/user.py": "from fkvllm.utils import helper\n",
+    "fkvllm/v1/__init__.py": "",
+    "fkvllm/v1/engine/__init__.py": "",
+    "fkvllm/v1/engine/core.py": """
+        class EngineCore:
+            def step(self):
+                return {}, False
+    """,
+    "fkvllm/v1/engine/async_llm.py": """
+        class AsyncLLM:
+            async def generate(self, *args, **kwargs):
+                yield args
+
+            async def check_health(self):
+                return None
+    """,
     "fkvllm/model_executor/__init__.py": "",
     "fkvllm/model_executor/models/__init__.py": "",
     "fkvllm/model_executor/models/registry.py": """
@@ -88,6 +104,8 @@ TREE = {
     + FACTORY.format(name="validate_afd_config"),
     "fkafd/compat/cli_flags.py": "CALLS = []\n" + FACTORY.format(name="add_afd_cli_args")
     + FACTORY.format(name="afd_from_cli_args"),
+    "fkafd/compat/outage.py": "CALLS = []\n" + FACTORY.format(name="step_outliving_ffn")
+    + FACTORY.format(name="generate_naming_afd") + FACTORY.format(name="check_health_with_afd_group"),
     "fkafd/extra.py": "CALLS = []\nFLAG = object()\n\ndef helper(x):\n    return ('replaced', x)\n\n"
     + FACTORY.format(name="compute_wrap"),
     "fkafd/fault_import.py": "import fk_no_such_module_anywhere\n\ndef thing(original, *a, **k):\n    return 1\n",
@@ -189,12 +207,14 @@ def tree(sandbox: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, tmp_path
 
 def import_tree() -> dict[str, Any]:
     return {name: importlib.import_module(name) for name in (
-        "fkvllm.engine.arg_utils", "fkvllm.utils", "fkvllm.user", "fkvllm.model_executor.models.registry")}
+        "fkvllm.engine.arg_utils", "fkvllm.utils", "fkvllm.user", "fkvllm.model_executor.models.registry",
+        "fkvllm.v1.engine.core", "fkvllm.v1.engine.async_llm")}
 
 
 def owners(mods: dict[str, Any]) -> list[Any]:
     return [mods["fkvllm.engine.arg_utils"].EngineArgs, mods["fkvllm.engine.arg_utils"], mods["fkvllm.utils"],
-            mods["fkvllm.user"]]
+            mods["fkvllm.user"], mods["fkvllm.v1.engine.core"].EngineCore,
+            mods["fkvllm.v1.engine.async_llm"].AsyncLLM]
 
 
 def snapshot(mods: dict[str, Any]) -> list[dict[str, Any]]:
