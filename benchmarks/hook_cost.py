@@ -53,6 +53,7 @@ HOOKS = {
         "import yaml, jsonschema, pathlib\n"
         "schema = json.loads(pathlib.Path({schema!r}).read_text())\n"
         "doc = yaml.safe_load(pathlib.Path({manifest!r}).read_text())\n"
+        "doc = {{**yaml.safe_load(pathlib.Path({base!r}).read_text()), **doc}}\n"
         "jsonschema.Draft202012Validator(schema).validate(doc)"
     ),
 }
@@ -89,7 +90,8 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "patchkit"), str(REPO / "afd_patches")],
                    check=True)
     naive = HOOKS["naive"].format(schema=str(REPO / "schemas" / "manifest.schema.json"),
-                                  manifest=str(REPO / "manifests" / "afd" / "vllm-0.32.yaml"))
+                                  manifest=str(REPO / "manifests" / "afd" / "vllm-0.32.yaml"),
+                                  base=str(REPO / "manifests" / "afd" / "base.yaml"))
     situations = {"after import vllm": "", "front end": "import vllm.engine.arg_utils"}
     with tempfile.TemporaryDirectory() as cache_dir:
         rows = []

@@ -117,7 +117,7 @@ class Entry(Record):
     requirement (op require: a vLLM symbol the plugin relies on, never applied; ``pin`` says
     how much of its fingerprint counts, ``indirect`` that the plugin's code does not name it)."""
 
-    _fields = ("id", "target", "op", "line", "with_", "value", "has_value", "fingerprint", "after", "when",
+    _fields = ("id", "target", "op", "source", "with_", "value", "has_value", "fingerprint", "after", "when",
                "rebind", "on_drift", "required", "why", "upstream", "retire_when", "workers", "pin", "indirect")
     __slots__ = _fields
     _defaults: ClassVar[dict[str, Any]] = {
@@ -129,7 +129,7 @@ class Entry(Record):
     id: str
     target: str
     op: str
-    line: int
+    source: str  # "file:line" where the entry starts (with extends: the file that introduced it)
     with_: str | None
     value: Any
     has_value: bool
@@ -156,12 +156,12 @@ class Entry(Record):
 
 
 class ModelRegistration(Record):
-    _fields = ("arch", "class_ref", "line", "when")
+    _fields = ("arch", "class_ref", "source", "when")
     __slots__ = _fields
     _defaults: ClassVar[dict[str, Any]] = {"when": {}}
     arch: str
     class_ref: str
-    line: int
+    source: str
     when: dict[str, Any]
 
 
@@ -171,19 +171,25 @@ class Manifest(Record):
     a ``Manifest`` read from the cache has ``requires == ()``; ``patchkit.manifest.load(file)`` has them."""
 
     _fields = ("file", "plugin", "packages", "vllm_version", "vllm_commit", "fallback", "entries", "models",
-               "digest", "requires")
+               "digest", "chain", "requires")
     __slots__ = _fields
     _defaults: ClassVar[dict[str, Any]] = {"requires": ()}
     file: str
     plugin: str
     packages: tuple[str, ...]
-    vllm_version: str
+    vllm_version: str | None  # None: a base manifest (no ``vllm:``), never selected
     vllm_commit: str | None
     fallback: bool
     entries: tuple[Entry, ...]
     models: tuple[ModelRegistration, ...]
-    digest: str
+    digest: str  # over the content of every file of ``chain``
+    chain: tuple[tuple[str, str], ...]  # (file, sha256 of its content): the extends chain, root base first
     requires: tuple[Entry, ...]  # op "require", in file order
+
+    @property
+    def is_base(self) -> bool:
+        """A base manifest (no ``vllm:`` pin): other files extend it; it is never selected."""
+        return self.vllm_version is None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form the plan cache stores: without ``requires`` (see the class docstring)."""
@@ -204,7 +210,7 @@ class Manifest(Record):
 
         models = tuple(ModelRegistration(**m) for m in data["models"])
         return cls(**{**data, "packages": tuple(data["packages"]), "entries": tuple(map(entry, data["entries"])),
-                      "models": models})
+                      "models": models, "chain": tuple((str(f), str(h)) for f, h in data["chain"])})
 
 
 class Compiled(Record):

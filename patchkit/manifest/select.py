@@ -51,7 +51,7 @@ def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
 def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
     """The manifest for ``runtime``; UnsupportedRelease lists the supported releases otherwise."""
     commit = runtime.vllm_commit or ""
-    pinned = sorted((m for m in manifests if not m.fallback), key=lambda m: m.file)
+    pinned = sorted((m for m in manifests if not m.fallback and not m.is_base), key=lambda m: m.file)
     for m in pinned:
         if m.vllm_commit and commit and (commit.startswith(m.vllm_commit) or m.vllm_commit.startswith(commit)):
             return m
@@ -59,7 +59,7 @@ def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
         if version_in(m.vllm_version, runtime.vllm_version):
             return m
     for m in manifests:
-        if m.fallback:
+        if m.fallback and not m.is_base:
             return m
     raise UnsupportedRelease(
         f"vLLM {runtime.vllm_version or 'not installed'} (commit {runtime.vllm_commit or 'unknown'}) "
@@ -68,7 +68,8 @@ def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
 
 
 def supported(manifests: list[Manifest]) -> str:
-    return ", ".join(f"vllm{m.vllm_version}" for m in sorted(manifests, key=lambda m: m.file) if not m.fallback)
+    return ", ".join(f"vllm{m.vllm_version}" for m in sorted(manifests, key=lambda m: m.file)
+                     if not m.fallback and not m.is_base)
 
 
 def order(entries: tuple[Entry, ...]) -> list[Entry]:

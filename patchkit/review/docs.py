@@ -17,7 +17,10 @@ exit 0 current, 1 stale or missing (nothing written), 2 bad input (an invalid
 manifest, no registered plugin). Without ``check`` it writes the file and exits
 0 (2 on bad input).
 
-Limits: models' ``why`` is read from the YAML (the ``Manifest`` object does not
+Base manifests (no ``vllm:``, see *Inheritance* in docs/manifests.md) are not listed as
+releases; every release that extends one is listed with the resolved entries.
+
+Limits: models' ``why`` is read from the resolved YAML (the ``Manifest`` object does not
 keep it); folders are read non-recursively (``*.yaml``), as ``activate`` does.
 """
 
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from patchkit import manifest
-from patchkit.manifest import source as yamlsrc
+from patchkit.manifest.validate import resolved
 from patchkit.plan import Manifest, ManifestError
 
 DEFAULT_OUT = Path("docs") / "patches.md"
@@ -64,13 +67,15 @@ def _load_dir(folder: Path) -> list[_Loaded]:
     for path in sorted(folder.glob("*.yaml")):
         try:
             m = manifest.load(path)
-            doc, _ = yamlsrc.load(path.read_bytes(), str(path))
+            doc = resolved(path).doc
         except ManifestError as exc:
             problems.append(str(exc))
             continue
         except OSError as exc:
             problems.append(f"{path}: cannot read: {exc.strerror}")
             continue
+        if m.is_base:
+            continue  # a base is never selected; the releases that extend it list its entries
         why = {mm["arch"]: mm.get("why", "") for mm in doc.get("models", [])}
         loaded.append(_Loaded(path.name, m, why))
     if problems:

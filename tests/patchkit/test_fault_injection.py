@@ -26,6 +26,7 @@ import yaml
 import patchkit
 from patchkit import fingerprint, manifest
 from patchkit.manifest import select as selection
+from patchkit.manifest.validate import resolved
 from patchkit.plan import Runtime
 from patchkit.runtime import engine
 from patchkit.runtime.engine import pending as pending_imports
@@ -119,7 +120,7 @@ def live_fingerprint(target: str) -> str:
 
 def plan_doc(with_fingerprints: bool) -> dict[str, Any]:
     """The real 0.32 manifest retargeted onto fkvllm/fkafd, plus EXTRA."""
-    real = yaml.safe_load(REAL.read_text())
+    real = resolved(REAL).doc  # with its base (extends)
     fp = live_fingerprint if with_fingerprints else (lambda _t: "ast1:0000000000000000:0000000000000000")
     patches = []
     for p in real["patches"]:
