@@ -4,10 +4,14 @@
 (``class AFDLlamaForCausalLM(AfdCausalLMMixin, LlamaForCausalLM)``). It reads
 the role from ``vllm_config.additional_config["afd"]`` and:
 
-- attention role: delegates to vLLM's ``__init__`` while the names under which
-  the decoder layer's module refers to its FFN classes (``afd_ffn_classes``,
-  looked up in the module of ``afd_decoder_layer``) are bound to parameter-free
-  proxy classes (``proxy_type``). vLLM's decoder layers therefore build an
+- attention role: delegates to vLLM's ``__init__`` with this thread marked as
+  building an attention-role model (``building_attention_model``). The family's
+  ``op: scoped-rebind`` manifest entry (one per family, e.g. ``afd.llama.ffn-proxies``)
+  binds, for that one call, the names under which the decoder layer's module refers
+  to its FFN classes to parameter-free proxy classes (``proxy_type``, one module-level
+  ``<Class>Proxy`` per FFN class in the family's module); patchkit applies, reports,
+  reverts and locks that rebinding like every other change to vLLM, and this module
+  never writes into a vLLM module. vLLM's decoder layers therefore build an
   ``AfdFfnProxy`` in place of each MLP/MoE block: no FFN parameter, buffer or
   forward-context entry is ever created on this role, on any device. A proxy
   is also an instance of the FFN class it stands in for, so vLLM's own type
@@ -23,18 +27,18 @@ the role from ``vllm_config.additional_config["afd"]`` and:
 Limits: no pipeline parallelism (every layer must be local), no torch.compile
 or CUDA graphs on the attention side (the exchange is a Python-level call;
 use ``enforce_eager=True``), no LoRA on FFN modules. The rebinding lasts for
-the attention model's ``__init__`` only, under a process-wide lock: another
+the attention model's ``__init__`` only, under patchkit's process-wide lock: another
 thread that builds a plain model of the same vLLM module at that moment would
 get proxies too (vLLM builds one model per worker process). A vLLM whose
-decoder layer stops naming an FFN class in its module is refused with an error
-naming the class; one that builds an FFN module some other way is refused after
-construction (a layer without a proxy).
+decoder-layer module stops naming an FFN class is refused by patchkit with an error
+naming the module and the class; one that builds an FFN module some other way, or a
+process where the scoped-rebind entry is not applied, is refused after construction
+(a layer without a proxy).
 """
 
 from __future__ import annotations
 
 import re
-import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -137,7 +141,6 @@ class _NoExperts:
 
 
 _BUILDING = threading.local()  # .link: the AfdLink of the attention model this thread is building
-_REBIND_LOCK = threading.Lock()
 _PROXY_TYPES: dict[tuple[type, bool], type] = {}
 _LAYER_OF_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.[^.]+$")
 
@@ -170,28 +173,20 @@ def proxy_type(ffn_cls: type[nn.Module], moe: bool = False) -> type[AfdFfnProxy]
     return _PROXY_TYPES[key]
 
 
-@contextmanager
-def _ffn_classes_rebound(namespace: dict[str, Any], proxies: dict[type, type], link: AfdLink) -> Iterator[None]:
-    """Bind every name in ``namespace`` that refers to a key of ``proxies`` to its proxy, for the block.
+def building_attention_model(*_args: Any, **_kwargs: Any) -> bool:
+    """``active_if`` of every family's scoped-rebind entry: whether this thread is inside an AFD
+    attention-role model's ``__init__`` (so a plain vLLM model built meanwhile is left alone)."""
+    return getattr(_BUILDING, "link", None) is not None
 
-    ``namespace`` is the globals of the module whose decoder layer builds the
-    FFN modules; this thread builds ``link``'s model meanwhile. Restored on exit.
-    """
-    names = {name: proxies[value] for name, value in list(namespace.items())
-             if isinstance(value, type) and value in proxies}
-    missing = set(proxies) - {value for name, value in namespace.items() if name in names}
-    if missing:
-        raise RuntimeError(f"AFD: {namespace.get('__name__')} no longer names "
-                           f"{', '.join(sorted(c.__name__ for c in missing))}; this vLLM is not supported")
-    with _REBIND_LOCK:
-        saved = {name: namespace[name] for name in names}
-        namespace.update(names)
-        _BUILDING.link = link
-        try:
-            yield
-        finally:
-            _BUILDING.link = None
-            namespace.update(saved)
+
+@contextmanager
+def _building(link: AfdLink) -> Iterator[None]:
+    """Mark this thread as building ``link``'s attention-role model for the block."""
+    _BUILDING.link = link
+    try:
+        yield
+    finally:
+        _BUILDING.link = None
 
 
 def afd_config_of(vllm_config: Any) -> AfdConfig:
@@ -212,11 +207,11 @@ def build_dense_mlp(mlp_cls: type[nn.Module], vllm_config: Any, prefix: str, **e
 class AfdCausalLMMixin(nn.Module):
     """Role split for a vLLM ``*ForCausalLM``; put it before the vLLM class in the bases.
 
-    Subclasses set ``afd_decoder_layer``, ``afd_ffn_classes`` (with
-    ``afd_moe_classes`` among them, if any) and ``afd_ffn_attr``, and implement
-    ``afd_build_ffn``; they may override ``afd_is_ffn_weight``,
-    ``afd_load_ffn_weights``, ``afd_check_attention_layers`` and
-    ``afd_describe_experts``.
+    Subclasses set ``afd_moe_classes`` (the FFN classes that hold experts, if any) and
+    ``afd_ffn_attr``, define a ``<Class>Proxy = proxy_type(<Class>)`` per FFN class that the
+    family's scoped-rebind manifest entry binds, and implement ``afd_build_ffn``; they may
+    override ``afd_is_ffn_weight``, ``afd_load_ffn_weights``, ``afd_check_attention_layers``
+    and ``afd_describe_experts``.
 
     MoE bookkeeping (the attributes vLLM reads for expert load balancing and
     metrics): on the FFN role ``moe_layers`` lists each MoE block's ``experts``
@@ -226,9 +221,7 @@ class AfdCausalLMMixin(nn.Module):
     FFN role). Architectures without ``afd_moe_classes`` get none of these.
     """
 
-    afd_decoder_layer: ClassVar[type[nn.Module]]  # its module names the FFN classes it builds
-    afd_ffn_classes: ClassVar[tuple[type[nn.Module], ...]]  # every class it may build as ``afd_ffn_attr``
-    afd_moe_classes: ClassVar[tuple[type[nn.Module], ...]] = ()  # those of them that hold experts
+    afd_moe_classes: ClassVar[tuple[type[nn.Module], ...]] = ()  # the FFN classes that hold experts
     afd_ffn_attr: ClassVar[str] = "mlp"
     afd_needs_forward_context: ClassVar[bool] = False  # e.g. FusedMoE looks itself up in it
     _FFN_WEIGHT: ClassVar[re.Pattern[str]] = re.compile(r"(^|\.)layers\.\d+\.mlp\.")
@@ -241,9 +234,7 @@ class AfdCausalLMMixin(nn.Module):
         if cfg.role == ATTENTION:
             hf_config = vllm_config.model_config.hf_text_config
             link = AfdLink(hf_config.num_hidden_layers, hf_config.hidden_size, vllm_config.model_config.dtype)
-            proxies = {cls: proxy_type(cls, cls in self.afd_moe_classes) for cls in self.afd_ffn_classes}
-            namespace = sys.modules[self.afd_decoder_layer.__module__].__dict__
-            with _ffn_classes_rebound(namespace, proxies, link):
+            with _building(link):  # the family's scoped-rebind entry binds the FFN classes to proxies now
                 super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
             self.afd_role = ATTENTION
             self._afd_link = link
@@ -291,7 +282,8 @@ class AfdCausalLMMixin(nn.Module):
             if not isinstance(ffn, AfdFfnProxy) or ffn.layer != idx:
                 raise RuntimeError(f"AFD attention role: decoder layer {idx} built {type(ffn).__name__} as "
                                    f"{self.afd_ffn_attr!r}, not a proxy; this vLLM builds its FFN modules "
-                                   "in a way AFD does not support")
+                                   "in a way AFD does not support, or the family's scoped-rebind manifest entry "
+                                   "is not applied in this process (see patchkit.applied())")
 
     def _afd_forget_experts(self) -> None:
         """Attention role: vLLM's MoE bookkeeping lists no experts (they live on the FFN role)."""

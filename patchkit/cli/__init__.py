@@ -47,7 +47,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from patchkit import fingerprint, manifest
     from patchkit.manifest.select import compile_plan
-    from patchkit.plan import Runtime, runtime_verdict
+    from patchkit.plan import Runtime, ScopedRebind, runtime_verdict
     from patchkit.runtime.cache import manifest_files
     from patchkit.runtime.targets import Slot, TargetMissing, unwrap_descriptor
 
@@ -84,7 +84,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     fp = " fingerprint " + fingerprint.compare(e.fingerprint, fingerprint.of_object(func))
                 except (ImportError, TargetMissing) as exc:
                     fp = f" target missing ({exc})"
-            print(f"  {n:2}. {e.id:32} {e.op:8} {e.target}\n      {verdict}{fp}")
+            print(f"  {n:2}. {e.id:32} {e.op:13} {e.target}\n      {verdict}{fp}")
+            if isinstance(e, ScopedRebind):
+                bound = ", ".join(f"{name} -> {ref}" for name, ref in e.bind)
+                print(f"      during each call where {e.active_if} holds, binds in {e.namespace}: {bound}")
             if e.id in origin:
                 print("      from " + ", ".join(f"{k}: {v}" for k, v in origin[e.id].items()))
         for m in compiled.manifest.models:

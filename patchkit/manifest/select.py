@@ -17,7 +17,16 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from patchkit.plan import Compiled, Entry, Manifest, ManifestError, Runtime, UnsupportedRelease, override_key
+from patchkit.plan import (
+    Change,
+    Compiled,
+    Manifest,
+    ManifestError,
+    Runtime,
+    UnsupportedRelease,
+    WorkerOverride,
+    override_key,
+)
 
 
 def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
@@ -41,9 +50,9 @@ def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
     static = {e.id: static_verdict(e.when, runtime) for e in ordered}
     static.update({f"model:{m.arch}": static_verdict(m.when, runtime) for m in chosen.models})
     for e in ordered:
-        if e.workers:
+        if isinstance(e, WorkerOverride):
             static.update({override_key(e.id, i): static_verdict(o.get("when", {}), runtime)
-                           for i, o in enumerate(e.workers["overrides"])})
+                           for i, o in enumerate(e.overrides)})
     digest = hashlib.sha256(f"{chosen.digest}|{[e.id for e in ordered]}".encode()).hexdigest()[:16]
     return Compiled(chosen, [e.id for e in ordered], static, supported(manifests), None, digest)
 
@@ -72,11 +81,11 @@ def supported(manifests: list[Manifest]) -> str:
                      if not m.fallback and not m.is_base)
 
 
-def order(entries: tuple[Entry, ...]) -> list[Entry]:
+def order(entries: tuple[Change, ...]) -> list[Change]:
     """Topological order over ``after``; among ready entries, file order first."""
     placed: set[str] = set()
     remaining = list(entries)
-    result: list[Entry] = []
+    result: list[Change] = []
     while remaining:
         for i, e in enumerate(remaining):
             if all(dep in placed for dep in e.after):

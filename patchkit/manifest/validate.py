@@ -24,7 +24,17 @@ from typing import Any
 
 from patchkit.manifest.inherit import MAX_FILE_BYTES, Resolved, read_bytes, resolve
 from patchkit.manifest.problems import FieldPath, Problem, field_name
-from patchkit.plan import WORKERS_ENTRY_ID, Entry, Manifest, ManifestError, ModelRegistration
+from patchkit.plan import (
+    WORKERS_ENTRY_ID,
+    Change,
+    Manifest,
+    ManifestError,
+    ModelRegistration,
+    Patch,
+    Requirement,
+    ScopedRebind,
+    WorkerOverride,
+)
 from patchkit.runtime.cache import schema_path
 
 
@@ -95,6 +105,21 @@ def _semantic_problems(doc: dict[str, Any], lines: Resolved) -> list[Problem]:
             add(("patches", i, "value"), f"op {op!r} takes no 'value'")
         if op == "set" and ("with" in p) == ("value" in p):
             add(("patches", i), "op 'set' needs exactly one of 'value' and 'with'")
+        if op == "scoped-rebind":
+            for key in ("with", "value"):
+                if key in p:
+                    add(("patches", i, key), f"op 'scoped-rebind' takes no {key!r}")
+            for key in ("bind", "active_if"):
+                if key not in p:
+                    add(("patches", i), f"op 'scoped-rebind' needs {key!r}")
+            for name, ref in p.get("bind", {}).items():
+                check_ref(("patches", i, "bind", name), ref)
+            if "active_if" in p:
+                check_ref(("patches", i, "active_if"), p["active_if"])
+        else:
+            for key in ("module", "bind", "active_if"):
+                if key in p:
+                    add(("patches", i, key), f"{key!r} is for op 'scoped-rebind' only")
         if "with" in p:
             check_ref(("patches", i, "with"), p["with"])
     workers = doc.get("workers")
@@ -230,28 +255,35 @@ def _conflict_problems(doc: dict[str, Any], graph: dict[str, list[str]], add: An
                 add(pathb, f"{idb!r} ({opb}) comes after {ida!r} ({opa}) on {target} and would discard it")
 
 
+def _change(p: dict[str, Any], defaults: dict[str, Any], source: str) -> Change:
+    """The typed entry of one ``patches[]`` item (validated)."""
+    rebind = p.get("rebind", defaults.get("rebind", "auto"))
+    common: dict[str, Any] = {
+        "id": p["id"], "target": p["target"], "source": source, "fingerprint": p.get("fingerprint"),
+        "after": tuple(p.get("after", [])), "when": p.get("when", {}),
+        "rebind": tuple(rebind) if isinstance(rebind, list) else rebind,
+        "on_drift": p.get("on_drift", defaults.get("on_drift", "fail")),
+        "required": p.get("required", defaults.get("required", True)),
+        "why": p["why"], "upstream": p.get("upstream"), "retire_when": p.get("retire_when", {}),
+    }
+    if p["op"] == "scoped-rebind":
+        return ScopedRebind(**common, namespace=p.get("module", p["target"].partition(":")[0]),
+                            bind=tuple(p["bind"].items()), active_if=p["active_if"])
+    return Patch(**common, op=p["op"], with_=p.get("with"), value=p.get("value"), has_value="value" in p)
+
+
 def _build(doc: dict[str, Any], lines: Resolved, file: str) -> Manifest:
     defaults = doc.get("defaults", {})
-    entries = []
-    for i, p in enumerate(doc.get("patches", [])):
-        rebind = p.get("rebind", defaults.get("rebind", "auto"))
-        entries.append(Entry(
-            id=p["id"], target=p["target"], op=p["op"], source=_source(lines, ("patches", i)),
-            with_=p.get("with"), value=p.get("value"), has_value="value" in p,
-            fingerprint=p.get("fingerprint"), after=tuple(p.get("after", [])), when=p.get("when", {}),
-            rebind=tuple(rebind) if isinstance(rebind, list) else rebind,
-            on_drift=p.get("on_drift", defaults.get("on_drift", "fail")),
-            required=p.get("required", defaults.get("required", True)),
-            why=p["why"], upstream=p.get("upstream"), retire_when=p.get("retire_when", {}),
-        ))
+    entries: list[Change] = [_change(p, defaults, _source(lines, ("patches", i)))
+                             for i, p in enumerate(doc.get("patches", []))]
     workers = doc.get("workers")
     if workers:
-        entries.append(Entry(
-            id=WORKERS_ENTRY_ID, target=workers["at"], op="workers", source=_source(lines, ("workers",)),
+        entries.append(WorkerOverride(
+            id=WORKERS_ENTRY_ID, target=workers["at"], source=_source(lines, ("workers",)),
             fingerprint=workers.get("fingerprint"), after=tuple(workers.get("after", [])),
             rebind="none", on_drift=workers.get("on_drift", defaults.get("on_drift", "fail")),
             why="select role-specific worker classes when worker_cls is 'auto'",
-            workers={"role_of": workers["role_of"], "overrides": workers["overrides"]},
+            role_of=workers["role_of"], overrides=tuple(workers["overrides"]),
         ))
     models = tuple(
         ModelRegistration(arch=m["arch"], class_ref=m["class"], source=_source(lines, ("models", k)),
@@ -259,9 +291,9 @@ def _build(doc: dict[str, Any], lines: Resolved, file: str) -> Manifest:
         for k, m in enumerate(doc.get("models", []))
     )
     requires = tuple(
-        Entry(id=f"require:{r['target']}", target=r["target"], op="require", source=_source(lines, ("requires", i)),
-              fingerprint=r.get("fingerprint"), rebind="none", pin=r["pin"], indirect=r.get("indirect", False),
-              on_drift=r.get("on_drift", defaults.get("on_drift", "fail")), why=r["why"])
+        Requirement(id=f"require:{r['target']}", target=r["target"], source=_source(lines, ("requires", i)),
+                    fingerprint=r.get("fingerprint"), pin=r["pin"], indirect=r.get("indirect", False),
+                    on_drift=r.get("on_drift", defaults.get("on_drift", "fail")), why=r["why"])
         for i, r in enumerate(doc.get("requires", []))
     )
     import hashlib

@@ -29,7 +29,7 @@ from patchkit.manifest import select as selection
 from patchkit.manifest.validate import resolved
 from patchkit.plan import Runtime
 from patchkit.runtime import engine
-from patchkit.runtime.engine import pending as pending_imports
+from patchkit.runtime.hooks import pending as pending_imports
 from patchkit.runtime.targets import Slot, unwrap_descriptor
 from tests.support.env import REPO
 

@@ -40,7 +40,7 @@ from afd_patches import config as afd_config
 from patchkit import ManifestError, manifest
 from patchkit.plan import Manifest, Runtime
 from patchkit.runtime import engine
-from patchkit.runtime.engine import pending as pending_imports
+from patchkit.runtime.hooks import pending as pending_imports
 from tests.support.env import REPO
 
 REAL_MANIFESTS = sorted((REPO / "manifests" / "afd").glob("*.yaml"))
