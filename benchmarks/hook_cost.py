@@ -53,7 +53,8 @@ HOOKS = {
         "import yaml, jsonschema, pathlib\n"
         "schema = json.loads(pathlib.Path({schema!r}).read_text())\n"
         "doc = yaml.safe_load(pathlib.Path({manifest!r}).read_text())\n"
-        "doc = {{**yaml.safe_load(pathlib.Path({base!r}).read_text()), **doc}}\n"
+        "doc = {{**yaml.safe_load(pathlib.Path({base!r}).read_text()), **doc}}\n"  # 0.32's file: extends + pin
+        "del doc['extends']\n"
         "jsonschema.Draft202012Validator(schema).validate(doc)"
     ),
 }

@@ -39,6 +39,13 @@ What changes, and what does not:
   the input (an unreviewed earlier output) are dropped, since they are about
   another tree.
 
+A manifest that ``extends`` a base (docs/manifests.md, *Inheritance*) is retargeted
+on its own text: the output is the new release's file only (the same ``extends``, the
+new pin, the overrides it had), plus an override (``- id: …`` / ``- target: …`` with a
+``fingerprint`` and its comment lines, or ``workers: {fingerprint}``) for each entry
+whose fingerprint comes from the base and must be flagged, re-pinned or carried from
+``reviewed``. ``out`` must be in the same folder as the base.
+
 Exit codes: 0 nothing needs a human, 1 at least one entry needs review (the file
 is still written), 2 bad input (unreadable or invalid manifest, not a vLLM tree,
 bad ``--version``/``--commit``, unknown tree version without ``--version``);
@@ -520,6 +527,10 @@ def run_retarget(manifest_path: str | Path, vllm_src: str, out: str | Path, vers
     finally:
         if collecting:
             gc.enable()
+    base = manifest_mod.resolved(manifest_path).chain[:-1]
+    if base and Path(out).resolve().parent != manifest_path.resolve().parent:
+        return 2, (f"patchkit retarget: {out}: a release file that extends {Path(base[-1][0]).name} must be written "
+                   f"next to it, in {manifest_path.parent}")
     try:
         Path(out).write_text(result.text, encoding="utf-8")
     except OSError as exc:

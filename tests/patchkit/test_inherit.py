@@ -159,3 +159,31 @@ def test_plan_explain_names_where_each_field_came_from(capsys):
     assert code == 0, out
     assert "id: base.yaml:" in out and "fingerprint: base.yaml:" in out
     assert "vllm.version: vllm-0.32.yaml:" in out
+
+
+@pytest.mark.vllm
+def test_retarget_of_a_release_file_writes_only_that_file_and_diff_shows_pins_and_fingerprints(tmp_path):
+    import shutil
+
+    from patchkit.review.diff import diff_manifests
+    from tests.patchkit.test_retarget import _wheel
+
+    folder = REPO / "manifests" / "afd"
+    for name in ("base.yaml", "vllm-0.32.yaml"):
+        shutil.copy(folder / name, tmp_path / name)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out = tmp_path / "vllm-0.31.yaml"
+    code = main(["retarget", str(tmp_path / "vllm-0.32.yaml"), "--vllm", str(_wheel("0.31.0")), "--out", str(out)])
+    assert code == 1  # drifted entries are flagged, never silently re-pinned
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, out.name])
+    assert (tmp_path / "base.yaml").read_text() == (folder / "base.yaml").read_text()
+    text = out.read_text()
+    assert "extends: base.yaml" in text and "# REVIEW: drifted" in text and "op:" not in text
+    changes = diff_manifests(manifest.load(tmp_path / "vllm-0.32.yaml"), manifest.load(out))
+    assert changes and {c.field for c in changes if c.section != "pin"} == {"fingerprint"}, changes
+    assert {c.section for c in changes} <= {"pin", "patches", "requires", "workers"}
+    elsewhere = tmp_path / "other"
+    elsewhere.mkdir()
+    code = main(["retarget", str(tmp_path / "vllm-0.32.yaml"), "--vllm", str(_wheel("0.31.0")),
+                 "--out", str(elsewhere / "x.yaml")])
+    assert code == 2 and not (elsewhere / "x.yaml").exists()
