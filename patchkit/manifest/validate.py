@@ -1,11 +1,14 @@
 """Manifest files → validated, immutable ``Manifest`` objects.
 
 Reading a manifest is three checks, each naming file, line and field:
-1. safe YAML (``yamlsrc``): only plain data, no duplicate keys;
-2. the JSON Schema ``manifest.schema.json``: shapes, types, no unknown keys;
+1. safe YAML (``yamlsrc``): only plain data, no duplicate keys; a file that ``extends``
+   another is merged with it first (``patchkit.manifest.inherit``), and every later
+   problem names the file and line its value came from;
+2. the JSON Schema ``manifest.schema.json`` on the resolved document: shapes, types, no unknown keys;
 3. semantics (``_semantic_problems``): unique ids, known ``after`` ids, no cycles,
-   no two unordered writers of one attribute, the fields each op needs, and every
-   callable inside the packages the manifest declares.
+   no two unordered writers of one attribute, the fields each op needs (``scoped-rebind``:
+   ``bind`` and ``active_if``, no ``with``/``value``), and every callable inside the
+   packages the manifest declares.
 
 A file that fails any check yields a ``ManifestError`` listing every problem; no
 object is imported while reading, so a bad manifest patches nothing.
@@ -251,7 +254,7 @@ def _conflict_problems(doc: dict[str, Any], graph: dict[str, list[str]], add: An
             if not _comes_after(graph, idb, ida):
                 add(pathb, f"{idb!r} and {ida!r} both write {target} with no order between them"
                           " (add one to the other's 'after')")
-            elif opb != "wrap":  # b comes after a and does not delegate to it
+            elif opb not in ("wrap", "scoped-rebind"):  # b comes after a and does not delegate to it
                 add(pathb, f"{idb!r} ({opb}) comes after {ida!r} ({opa}) on {target} and would discard it")
 
 
