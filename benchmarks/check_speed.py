@@ -65,12 +65,15 @@ def synthetic_manifest(directory: Path) -> Path:
 
 
 def without_requires(shipped: Path, directory: Path) -> Path:
-    """``shipped`` with its ``requires:`` section cut out (the text up to the next top-level key)."""
-    text = shipped.read_text()
-    start = text.index("\nrequires:\n")
-    end = text.index("\nmodels:\n", start)
+    """``shipped`` resolved (with its base) and with its ``requires:`` left out, as one file."""
+    import yaml
+
+    from patchkit import manifest
+
+    doc = dict(manifest.resolved(shipped).doc)
+    doc.pop("requires", None)
     path = directory / "no-requires.yaml"
-    path.write_text(text[:start] + text[end:])
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
 

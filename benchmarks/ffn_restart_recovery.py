@@ -27,11 +27,10 @@ import urllib.request
 from pathlib import Path
 from statistics import median
 
-from tests.support.env import free_port, vllm_env
-from tests.support.tiny_model import build
-from tests.support.tiny_tokenizer import build_tokenizer
-
 from benchmarks.afd_server_load import ARCH, HOST, Server
+from harness.env import free_port, vllm_env
+from harness.tiny_model import build
+from harness.tiny_tokenizer import build_tokenizer
 
 POLL_S = 0.05
 PROMPT = [1, 2, 3, 4, 5]

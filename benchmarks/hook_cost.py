@@ -8,7 +8,7 @@ Also shown: the first process after a manifest change (cold cache: YAML and
 schema validation), a naive hook that imports yaml + jsonschema and validates the
 manifest in every process, which modules the hook adds that vLLM had not imported,
 and what the cache directory holds afterwards (JSON data only: nothing executable).
-Goals: <= 3 ms after ``import vllm`` and <= 6 ms in the front end.
+Goal: <= 10 ms after ``import vllm`` (issue 29; it was 3 ms, with <= 6 ms in the front end, before).
 
     python -m benchmarks.hook_cost [--runs 15]
 """
@@ -53,6 +53,8 @@ HOOKS = {
         "import yaml, jsonschema, pathlib\n"
         "schema = json.loads(pathlib.Path({schema!r}).read_text())\n"
         "doc = yaml.safe_load(pathlib.Path({manifest!r}).read_text())\n"
+        "doc = {{**yaml.safe_load(pathlib.Path({base!r}).read_text()), **doc}}\n"  # 0.32's file: extends + pin
+        "del doc['extends']\n"
         "jsonschema.Draft202012Validator(schema).validate(doc)"
     ),
 }
@@ -89,7 +91,8 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "patchkit"), str(REPO / "afd_patches")],
                    check=True)
     naive = HOOKS["naive"].format(schema=str(REPO / "schemas" / "manifest.schema.json"),
-                                  manifest=str(REPO / "manifests" / "afd" / "vllm-0.32.yaml"))
+                                  manifest=str(REPO / "manifests" / "afd" / "vllm-0.32.yaml"),
+                                  base=str(REPO / "manifests" / "afd" / "base.yaml"))
     situations = {"after import vllm": "", "front end": "import vllm.engine.arg_utils"}
     with tempfile.TemporaryDirectory() as cache_dir:
         rows = []
@@ -109,7 +112,7 @@ def main() -> None:
     print(f"{'situation':20} {'patchkit ms':>12} {'max ms':>8} {'cold ms':>8} {'naive ms':>9}  modules added")
     for label, med, mx, cold, med_naive, added in rows:
         print(f"{label:20} {med:12.2f} {mx:8.2f} {cold:8.1f} {med_naive:9.1f}  {', '.join(added) or 'none'}")
-    print(f"cache directory holds: {', '.join(cached)} (all JSON; goals: <= 3 ms after import vllm, <= 6 ms front end)")
+    print(f"cache directory holds: {', '.join(cached)} (all JSON; goal: <= 10 ms after import vllm)")
 
 
 if __name__ == "__main__":

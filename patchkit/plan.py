@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import platform as _platform_module
 from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 WORKERS_ENTRY_ID = "workers"
@@ -64,87 +65,27 @@ class UnsupportedRelease(PatchkitError):
     """No manifest supports the running vLLM release."""
 
 
-# -- records -------------------------------------------------------------------------------------
+# -- entries -------------------------------------------------------------------------------------
+#
+# One typed entry per kind of declaration, all slotted frozen dataclasses (``kw_only``: a field never
+# depends on its position). Entries that change vLLM (``Change`` and its subclasses) share one apply
+# path in ``patchkit.runtime.targets``: ``Patch`` ``replace``/``set`` put an object in place; every
+# other change is a wrap whose factory the entry's kind supplies (``wrap``: the ``with`` callable;
+# ``ScopedRebind``: binds names for the call; ``WorkerOverride``: picks the role's worker class).
+# ``Requirement`` is never applied, only judged. The plan cache stores them as JSON with ``kind``.
 
-class Record:
-    """An immutable record with named fields, for the data the plugin hook reads in every process.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """What every entry has: an id, a ``module:qualname`` target, where it was declared
+    (``source``: ``file:line``, through ``extends``), a pinned fingerprint and the drift policy."""
 
-    ``dataclasses`` would generate these methods with ``exec`` when each class is
-    defined, a cost every vLLM process pays; this base needs none. Subclasses list
-    their fields, in order, in ``_fields`` (and ``__slots__ = _fields``), and their
-    defaults in ``_defaults``. Records off the hook's path are frozen dataclasses."""
-
-    __slots__ = ()
-    _fields: ClassVar[tuple[str, ...]] = ()
-    _defaults: ClassVar[dict[str, Any]] = {}
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        names = self._fields
-        if len(args) > len(names):
-            raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional arguments")
-        values = dict(zip(names, args, strict=False))
-        for key, value in kwargs.items():
-            if key not in names or key in values:
-                raise TypeError(f"{type(self).__name__}: unexpected or repeated argument {key!r}")
-            values[key] = value
-        for name in names:
-            if name in values:
-                value = values[name]
-            elif name in self._defaults:
-                value = self._defaults[name]
-            else:
-                raise TypeError(f"{type(self).__name__}: missing argument {name!r}")
-            object.__setattr__(self, name, value)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable")
-
-    def _asdict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._fields}
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self._asdict() == other._asdict()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash(tuple(repr(getattr(self, n)) for n in self._fields))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in self._fields)})"
-
-
-class Entry(Record):
-    """One monkey-patch (ops replace / wrap / set), the worker override (op workers), or a
-    requirement (op require: a vLLM symbol the plugin relies on, never applied; ``pin`` says
-    how much of its fingerprint counts, ``indirect`` that the plugin's code does not name it)."""
-
-    _fields = ("id", "target", "op", "line", "with_", "value", "has_value", "fingerprint", "after", "when",
-               "rebind", "on_drift", "required", "why", "upstream", "retire_when", "workers", "pin", "indirect")
-    __slots__ = _fields
-    _defaults: ClassVar[dict[str, Any]] = {
-        "with_": None, "value": None, "has_value": False, "fingerprint": None, "after": (), "when": {},
-        "rebind": "auto", "on_drift": "fail", "required": True, "why": "", "upstream": None, "retire_when": {},
-        "workers": None,  # op == "workers": {"role_of": ref, "overrides": [...]}
-        "pin": "full", "indirect": False,  # op == "require" only
-    }
+    kind: ClassVar[str] = ""
     id: str
     target: str
-    op: str
-    line: int
-    with_: str | None
-    value: Any
-    has_value: bool
-    fingerprint: str | None
-    after: tuple[str, ...]
-    when: dict[str, Any]
-    rebind: str | tuple[str, ...]
-    on_drift: str
-    required: bool
-    why: str
-    upstream: str | None
-    retire_when: dict[str, Any]
-    workers: dict[str, Any] | None
-    pin: str
-    indirect: bool
+    source: str = ""
+    fingerprint: str | None = None
+    on_drift: str = "fail"
+    why: str = ""
 
     @property
     def module(self) -> str:
@@ -154,64 +95,162 @@ class Entry(Record):
     def qualname(self) -> str:
         return self.target.partition(":")[2]
 
+    def to_json(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["kind"] = self.kind
+        return data
 
-class ModelRegistration(Record):
-    _fields = ("arch", "class_ref", "line", "when")
-    __slots__ = _fields
-    _defaults: ClassVar[dict[str, Any]] = {"when": {}}
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Change(Entry):
+    """An entry that changes vLLM: ordered (``after``), guarded (``when``), required or optional,
+    rolled back and reverted as one; ``rebind`` is its from-import alias policy."""
+
+    after: tuple[str, ...] = ()
+    when: dict[str, Any] = field(default_factory=dict)
+    required: bool = True
+    rebind: str | tuple[str, ...] = "auto"
+    upstream: str | None = None
+    retire_when: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def op(self) -> str:
+        return self.kind
+
+    def refs(self) -> tuple[str, ...]:
+        """The ``module:qualname`` objects of the plugin this entry imports (checked against ``packages``)."""
+        return ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Patch(Change):
+    """``op`` ``replace`` (the ``with`` object), ``wrap`` (``with`` is the wrapper factory) or ``set``
+    (``value``, plain data, or the ``with`` object; ``has_value`` says which)."""
+
+    kind: ClassVar[str] = "patch"
+    op: str  # type: ignore[misc]  # a field here, a property on the other changes
+    with_: str | None = None
+    value: Any = None
+    has_value: bool = False
+
+    def refs(self) -> tuple[str, ...]:
+        return (self.with_,) if self.with_ else ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScopedRebind(Change):
+    """Op ``scoped-rebind``: a wrap of the target that, for one call and while ``active_if(*args, **kwargs)``
+    is true, binds each name of ``bind`` in module ``namespace`` to its replacement (docs/manifests.md)."""
+
+    kind: ClassVar[str] = "scoped-rebind"
+    namespace: str
+    bind: tuple[tuple[str, str], ...]  # (name in namespace, replacement ref), in file order
+    active_if: str
+
+    def refs(self) -> tuple[str, ...]:
+        return (self.active_if, *(ref for _, ref in self.bind))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerOverride(Change):
+    """The ``workers`` section: a wrap of ``at`` (the target) that picks the role's worker class when the
+    user left ``worker_cls`` at ``auto``; ``overrides`` are ``{role, class, when?}`` mappings."""
+
+    kind: ClassVar[str] = "workers"
+    role_of: str
+    overrides: tuple[dict[str, Any], ...]
+
+    def refs(self) -> tuple[str, ...]:
+        return (self.role_of, *(o["class"] for o in self.overrides))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Requirement(Entry):
+    """A vLLM symbol the plugin relies on without changing it: never applied; ``pin`` says how much of
+    its fingerprint counts, ``indirect`` that the plugin's code does not name it."""
+
+    kind: ClassVar[str] = "require"
+    pin: str = "full"
+    indirect: bool = False
+    required: ClassVar[bool] = True  # judged like a required change by the review tools
+
+    @property
+    def op(self) -> str:
+        return self.kind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelRegistration:
+    """A model architecture registered with vLLM's ``ModelRegistry`` as a ``module:Class`` string."""
+
     arch: str
     class_ref: str
-    line: int
-    when: dict[str, Any]
+    source: str = ""
+    when: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class Manifest(Record):
+_CHANGES: dict[str, type[Change]] = {c.kind: c for c in (Patch, ScopedRebind, WorkerOverride)}
+
+
+def change_from_json(data: dict[str, Any]) -> Change:
+    """The inverse of ``Change.to_json`` (TypeError/KeyError/ValueError on a wrong shape)."""
+    data = dict(data)
+    cls = _CHANGES[data.pop("kind")]
+    data["after"] = tuple(data["after"])
+    if isinstance(data.get("rebind"), list):
+        data["rebind"] = tuple(data["rebind"])
+    if cls is ScopedRebind:
+        data["bind"] = tuple((str(n), str(r)) for n, r in data["bind"])
+    if cls is WorkerOverride:
+        data["overrides"] = tuple(data["overrides"])
+    return cls(**data)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
     """One validated manifest. ``requires`` (the vLLM symbols the plugin relies on) is judged only by
     the review tools and ``Status.requirements``, never by the hook, so the plan cache leaves it out:
     a ``Manifest`` read from the cache has ``requires == ()``; ``patchkit.manifest.load(file)`` has them."""
 
-    _fields = ("file", "plugin", "packages", "vllm_version", "vllm_commit", "fallback", "entries", "models",
-               "digest", "requires")
-    __slots__ = _fields
-    _defaults: ClassVar[dict[str, Any]] = {"requires": ()}
     file: str
     plugin: str
     packages: tuple[str, ...]
-    vllm_version: str
+    vllm_version: str | None  # None: a base manifest (no ``vllm:``), never selected
     vllm_commit: str | None
     fallback: bool
-    entries: tuple[Entry, ...]
+    entries: tuple[Change, ...]
     models: tuple[ModelRegistration, ...]
-    digest: str
-    requires: tuple[Entry, ...]  # op "require", in file order
+    digest: str  # over the content of every file of ``chain``
+    chain: tuple[tuple[str, str], ...]  # (file, sha256 of its content): the extends chain, root base first
+    requires: tuple[Requirement, ...] = ()  # in file order
+
+    @property
+    def is_base(self) -> bool:
+        """A base manifest (no ``vllm:`` pin): other files extend it; it is never selected."""
+        return self.vllm_version is None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form the plan cache stores: without ``requires`` (see the class docstring)."""
-        data = self._asdict()
-        del data["requires"]
-        data["entries"] = [e._asdict() for e in self.entries]
-        data["models"] = [m._asdict() for m in self.models]
-        return data
+        return {"file": self.file, "plugin": self.plugin, "packages": list(self.packages),
+                "vllm_version": self.vllm_version, "vllm_commit": self.vllm_commit, "fallback": self.fallback,
+                "entries": [e.to_json() for e in self.entries], "models": [m.to_json() for m in self.models],
+                "digest": self.digest, "chain": [list(c) for c in self.chain]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
-        def entry(e: dict[str, Any]) -> Entry:
-            e = dict(e)
-            e["after"] = tuple(e["after"])
-            if isinstance(e["rebind"], list):
-                e["rebind"] = tuple(e["rebind"])
-            return Entry(**e)
-
-        models = tuple(ModelRegistration(**m) for m in data["models"])
-        return cls(**{**data, "packages": tuple(data["packages"]), "entries": tuple(map(entry, data["entries"])),
-                      "models": models})
+        return cls(**{**data, "packages": tuple(data["packages"]),
+                      "entries": tuple(map(change_from_json, data["entries"])),
+                      "models": tuple(ModelRegistration(**m) for m in data["models"]),
+                      "chain": tuple((str(f), str(h)) for f, h in data["chain"])})
 
 
-class Compiled(Record):
+@dataclass(frozen=True, slots=True)
+class Compiled:
     """What the hook needs: the selected manifest (or why there is none) and the plan order."""
 
-    _fields = ("manifest", "order", "static", "supported", "error", "digest")
-    __slots__ = _fields
     manifest: Manifest | None
     order: list[str]  # entry ids
     static: dict[str, str | None]  # entry id (or "model:<arch>") -> why a static guard fails, or None

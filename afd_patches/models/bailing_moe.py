@@ -26,14 +26,13 @@ from torch import nn
 from vllm.model_executor.models.bailing_moe import (
     BailingMLP,
     BailingMoE,
-    BailingMoeBlock,
     BailingMoeForCausalLM,
     BailingMoeModel,
     BailingMoeV2ForCausalLM,
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import AfdCausalLMMixin
+from afd_patches.models.common import AfdCausalLMMixin, proxy_type
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
@@ -44,11 +43,16 @@ def is_moe_layer(config: Any, layer: int) -> bool:
     return layer >= config.first_k_dense_replace
 
 
+
+# The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
+# afd.bailing-moe.ffn-proxies binds them (patchkit applies it).
+BailingMLPProxy = proxy_type(BailingMLP)
+BailingMoEProxy = proxy_type(BailingMoE)
+
+
 class AFDBailingMoeForCausalLM(AfdCausalLMMixin, BailingMoeForCausalLM):
     """Bailing-MoE with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = BailingMoeBlock
-    afd_ffn_classes = (BailingMoE, BailingMLP)
     afd_needs_forward_context = True
 
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:

@@ -4,10 +4,14 @@
 (``class AFDLlamaForCausalLM(AfdCausalLMMixin, LlamaForCausalLM)``). It reads
 the role from ``vllm_config.additional_config["afd"]`` and:
 
-- attention role: delegates to vLLM's ``__init__`` while the names under which
-  the decoder layer's module refers to its FFN classes (``afd_ffn_classes``,
-  looked up in the module of ``afd_decoder_layer``) are bound to parameter-free
-  proxy classes (``proxy_type``). vLLM's decoder layers therefore build an
+- attention role: delegates to vLLM's ``__init__`` with this thread marked as
+  building an attention-role model (``building_attention_model``). The family's
+  ``op: scoped-rebind`` manifest entry (one per family, e.g. ``afd.llama.ffn-proxies``)
+  binds, for that one call, the names under which the decoder layer's module refers
+  to its FFN classes to parameter-free proxy classes (``proxy_type``, one module-level
+  ``<Class>Proxy`` per FFN class in the family's module); patchkit applies, reports,
+  reverts and locks that rebinding like every other change to vLLM, and this module
+  never writes into a vLLM module. vLLM's decoder layers therefore build an
   ``AfdFfnProxy`` in place of each MLP/MoE block: no FFN parameter, buffer or
   forward-context entry is ever created on this role, on any device. A proxy
   is also an instance of the FFN class it stands in for, so vLLM's own type
@@ -28,19 +32,19 @@ the role from ``vllm_config.additional_config["afd"]`` and:
   proxy returns zeros without exchanging, and the FFN role computes the sum.
 
 Limits: no pipeline parallelism (every layer must be local), no LoRA on FFN
-modules; on CUDA only piecewise CUDA graphs (``afd_patches.compat.compilation``). The rebinding lasts for
-the attention model's ``__init__`` only, under a process-wide lock: another
+modules; on CUDA only piecewise CUDA graphs (``afd_patches.compat.compilation``). The
+rebinding lasts for the attention model's ``__init__`` only, under patchkit's process-wide lock: another
 thread that builds a plain model of the same vLLM module at that moment would
 get proxies too (vLLM builds one model per worker process). A vLLM whose
-decoder layer stops naming an FFN class in its module is refused with an error
-naming the class; one that builds an FFN module some other way is refused after
-construction (a layer without a proxy).
+decoder-layer module stops naming an FFN class is refused by patchkit with an error
+naming the module and the class; one that builds an FFN module some other way, or a
+process where the scoped-rebind entry is not applied, is refused after construction
+(a layer without a proxy).
 """
 
 from __future__ import annotations
 
 import re
-import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -204,7 +208,6 @@ class _NoExperts:
 
 
 _BUILDING = threading.local()  # .link: the AfdLink of the attention model this thread is building
-_REBIND_LOCK = threading.Lock()
 _PROXY_TYPES: dict[tuple[type, bool], type] = {}
 _LAYER_OF_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.([^.]+)$")
 
@@ -237,28 +240,20 @@ def proxy_type(ffn_cls: type[nn.Module], moe: bool = False) -> type[AfdFfnProxy]
     return _PROXY_TYPES[key]
 
 
-@contextmanager
-def _ffn_classes_rebound(namespace: dict[str, Any], proxies: dict[type, type], link: AfdLink) -> Iterator[None]:
-    """Bind every name in ``namespace`` that refers to a key of ``proxies`` to its proxy, for the block.
+def building_attention_model(*_args: Any, **_kwargs: Any) -> bool:
+    """``active_if`` of every family's scoped-rebind entry: whether this thread is inside an AFD
+    attention-role model's ``__init__`` (so a plain vLLM model built meanwhile is left alone)."""
+    return getattr(_BUILDING, "link", None) is not None
 
-    ``namespace`` is the globals of the module whose decoder layer builds the
-    FFN modules; this thread builds ``link``'s model meanwhile. Restored on exit.
-    """
-    names = {name: proxies[value] for name, value in list(namespace.items())
-             if isinstance(value, type) and value in proxies}
-    missing = set(proxies) - {value for name, value in namespace.items() if name in names}
-    if missing:
-        raise RuntimeError(f"AFD: {namespace.get('__name__')} no longer names "
-                           f"{', '.join(sorted(c.__name__ for c in missing))}; this vLLM is not supported")
-    with _REBIND_LOCK:
-        saved = {name: namespace[name] for name in names}
-        namespace.update(names)
-        _BUILDING.link = link
-        try:
-            yield
-        finally:
-            _BUILDING.link = None
-            namespace.update(saved)
+
+@contextmanager
+def _building(link: AfdLink) -> Iterator[None]:
+    """Mark this thread as building ``link``'s attention-role model for the block."""
+    _BUILDING.link = link
+    try:
+        yield
+    finally:
+        _BUILDING.link = None
 
 
 def afd_config_of(vllm_config: Any) -> AfdConfig:
@@ -300,11 +295,11 @@ def adopt_moe_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
 class AfdCausalLMMixin(nn.Module):
     """Role split for a vLLM ``*ForCausalLM``; put it before the vLLM class in the bases.
 
-    Subclasses set ``afd_decoder_layer``, ``afd_ffn_classes`` (with
-    ``afd_moe_classes`` among them, if any) and ``afd_ffn_attr``, and implement
-    ``afd_build_ffn``; they may override ``afd_is_ffn_weight``,
-    ``afd_load_ffn_weights``, ``afd_check_attention_layers`` and
-    ``afd_describe_experts``.
+    Subclasses set ``afd_moe_classes`` (the FFN classes that hold experts, if any) and
+    ``afd_ffn_attr``, define a ``<Class>Proxy = proxy_type(<Class>)`` per FFN class that the
+    family's scoped-rebind manifest entry binds, and implement ``afd_build_ffn``; they may
+    override ``afd_is_ffn_weight``, ``afd_load_ffn_weights``, ``afd_check_attention_layers``
+    and ``afd_describe_experts``.
 
     MoE bookkeeping (the attributes vLLM reads for expert load balancing and
     metrics): on the FFN role ``moe_layers`` lists each MoE block's ``experts``
@@ -314,9 +309,7 @@ class AfdCausalLMMixin(nn.Module):
     FFN role). Architectures without ``afd_moe_classes`` get none of these.
     """
 
-    afd_decoder_layer: ClassVar[type[nn.Module]]  # its module names the FFN classes it builds
-    afd_ffn_classes: ClassVar[tuple[type[nn.Module], ...]]  # every class it may build as ``afd_ffn_attr``
-    afd_moe_classes: ClassVar[tuple[type[nn.Module], ...]] = ()  # those of them that hold experts
+    afd_moe_classes: ClassVar[tuple[type[nn.Module], ...]] = ()  # the FFN classes that hold experts
     afd_ffn_attr: ClassVar[str] = "mlp"
     # FFN modules vLLM's decoder layer builds besides the exchanged one and adds to its output (Step-3's
     # ``share_expert``): the FFN role computes them with it (``afd_ffn_of``), their proxies return zeros.
@@ -335,8 +328,7 @@ class AfdCausalLMMixin(nn.Module):
             hf_config = vllm_config.model_config.hf_text_config
             link = AfdLink(hf_config.num_hidden_layers, hf_config.hidden_size, vllm_config.model_config.dtype,
                            frozenset(self.afd_folded_ffn_attrs))
-            namespace = sys.modules[self.afd_decoder_layer.__module__].__dict__
-            with _ffn_classes_rebound(namespace, self.afd_replacements(), link):
+            with _building(link):  # the family's scoped-rebind entry binds the FFN classes to proxies now
                 super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
             self.afd_role = ATTENTION
             self._afd_link = link
@@ -350,16 +342,6 @@ class AfdCausalLMMixin(nn.Module):
                 self._afd_count_experts()
 
     # ---- subclass hooks -------------------------------------------------
-    @classmethod
-    def afd_replacements(cls) -> dict[type, type]:
-        """What each class named in the decoder layer's module is bound to while the attention model is built.
-
-        Default: each of ``afd_ffn_classes`` to its proxy. An architecture whose layers take their FFN
-        class from a class attribute rather than a module-level name binds the class that reads it to
-        a subclass that overrides the attribute (see ``afd_patches.models.gpt_oss``).
-        """
-        return {c: proxy_type(c, c in cls.afd_moe_classes) for c in cls.afd_ffn_classes}
-
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
         """Build layer ``layer``'s FFN module (FFN role); ``prefix`` is its checkpoint name."""
         raise NotImplementedError
@@ -407,7 +389,8 @@ class AfdCausalLMMixin(nn.Module):
             if not isinstance(ffn, AfdFfnProxy) or ffn.layer != idx or ffn.folded:
                 raise RuntimeError(f"AFD attention role: decoder layer {idx} built {type(ffn).__name__} as "
                                    f"{self.afd_ffn_attr!r}, not a proxy; this vLLM builds its FFN modules "
-                                   "in a way AFD does not support")
+                                   "in a way AFD does not support, or the family's scoped-rebind manifest entry "
+                                   "is not applied in this process (see patchkit.applied())")
 
     def _afd_forget_experts(self) -> None:
         """Attention role: vLLM's MoE bookkeeping lists no experts (they live on the FFN role)."""

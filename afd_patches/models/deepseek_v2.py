@@ -40,7 +40,6 @@ import torch
 from torch import nn
 from vllm._aiter_ops import rocm_aiter_ops
 from vllm.model_executor.models.deepseek_v2 import (
-    DeepseekV2DecoderLayer,
     DeepseekV2ForCausalLM,
     DeepseekV2MLP,
     DeepseekV2MoE,
@@ -52,7 +51,7 @@ from vllm.model_executor.models.utils import (
     get_spec_layer_idx_from_weight_name,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, adopt_moe_blocks, build_dense_mlp
+from afd_patches.models.common import AfdCausalLMMixin, adopt_moe_blocks, build_dense_mlp, proxy_type
 
 # Checkpoint -> vLLM names of the FFN role's fused dense projections. Routed
 # experts (``mlp.experts.E.*``) do not match and go to FusedMoE's own loader.
@@ -75,11 +74,15 @@ def is_moe_layer(config: Any, layer: int) -> bool:
     return config.n_routed_experts is not None and layer >= config.first_k_dense_replace and layer % freq == 0
 
 
+# The attention role's stand-ins for ``DeepseekV2MoE`` and ``DeepseekV2MLP`` while vLLM's model ``__init__`` runs:
+# the manifests' scoped-rebind entry afd.deepseek-v2.ffn-proxies binds them (patchkit applies it).
+DeepseekV2MoEProxy = proxy_type(DeepseekV2MoE, moe=True)
+DeepseekV2MLPProxy = proxy_type(DeepseekV2MLP)
+
+
 class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
     """DeepSeek-V2 with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = DeepseekV2DecoderLayer
-    afd_ffn_classes = (DeepseekV2MoE, DeepseekV2MLP)
     afd_moe_classes = (DeepseekV2MoE,)
     afd_needs_forward_context = True
 

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.model_executor.models.ernie45_moe import (
-    Ernie4_5_MoeDecoderLayer,
     Ernie4_5_MoeForCausalLM,
     Ernie4_5_MoeMLP,
     Ernie4_5_MoeModel,
@@ -33,7 +32,7 @@ from vllm.model_executor.models.ernie45_moe import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts
+from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts, proxy_type
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
@@ -49,11 +48,16 @@ def is_moe_layer(config: Any, layer: int) -> bool:
     return bool(use_moe) and (layer + 1) % interval == 0 and start <= layer <= end
 
 
+
+# The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
+# afd.ernie45-moe.ffn-proxies binds them (patchkit applies it).
+Ernie4_5_MoeMLPProxy = proxy_type(Ernie4_5_MoeMLP)
+Ernie4_5_MoeMoEProxy = proxy_type(Ernie4_5_MoeMoE, moe=True)
+
+
 class AFDErnie4_5_MoeForCausalLM(AfdCausalLMMixin, Ernie4_5_MoeForCausalLM):
     """ERNIE-4.5-MoE with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = Ernie4_5_MoeDecoderLayer
-    afd_ffn_classes = (Ernie4_5_MoeMoE, Ernie4_5_MoeMLP)
     afd_moe_classes = (Ernie4_5_MoeMoE,)
     afd_needs_forward_context = True
 

@@ -27,14 +27,13 @@ import torch
 from torch import nn
 from vllm.model_executor.models.glm4_moe import (
     Glm4MoE,
-    Glm4MoeDecoderLayer,
     Glm4MoeForCausalLM,
     Glm4MoeMLP,
     Glm4MoeModel,
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader, get_spec_layer_idx_from_weight_name
 
-from afd_patches.models.common import AfdCausalLMMixin, adopt_moe_blocks, build_dense_mlp
+from afd_patches.models.common import AfdCausalLMMixin, adopt_moe_blocks, build_dense_mlp, proxy_type
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
@@ -45,11 +44,16 @@ def is_moe_layer(config: Any, layer: int) -> bool:
     return config.n_routed_experts is not None and layer >= config.first_k_dense_replace
 
 
+
+# The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
+# afd.glm4-moe.ffn-proxies binds them (patchkit applies it).
+Glm4MoeMLPProxy = proxy_type(Glm4MoeMLP)
+Glm4MoEProxy = proxy_type(Glm4MoE, moe=True)
+
+
 class AFDGlm4MoeForCausalLM(AfdCausalLMMixin, Glm4MoeForCausalLM):
     """GLM-4.5/4.6 with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = Glm4MoeDecoderLayer
-    afd_ffn_classes = (Glm4MoE, Glm4MoeMLP)
     afd_moe_classes = (Glm4MoE,)
     afd_needs_forward_context = True
 

@@ -37,8 +37,10 @@ class _ProxyMlpBlock(TransformerBlock):
     mlp_cls = proxy_type(MLPBlock)
 
 
-class _ProxyMlpModel(GptOssModel):
-    """vLLM's ``GptOssModel`` with its ``block_cls`` override point set to ``_ProxyMlpBlock``."""
+class GptOssModelProxy(GptOssModel):
+    """vLLM's ``GptOssModel`` with its ``block_cls`` override point set to ``_ProxyMlpBlock``; the manifests'
+    scoped-rebind entry afd.gpt-oss.ffn-proxies binds it as ``GptOssModel`` while the attention role's model
+    ``__init__`` runs (patchkit applies it)."""
 
     block_cls = _ProxyMlpBlock
 
@@ -58,14 +60,8 @@ class _ExpertsOnlyModel(GptOssModel):
 class AFDGptOssForCausalLM(AfdCausalLMMixin, GptOssForCausalLM):
     """gpt-oss with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = TransformerBlock
-    afd_ffn_classes = (MLPBlock,)  # no afd_moe_classes: vLLM's gpt-oss keeps no MoE bookkeeping
+    # no afd_moe_classes: vLLM's gpt-oss keeps no MoE bookkeeping
     afd_needs_forward_context = True
-
-    @classmethod
-    def afd_replacements(cls) -> dict[type, type]:
-        """``GptOssModel`` -> a subclass whose blocks build ``MLPBlock``'s proxy (vLLM's override points)."""
-        return {GptOssModel: _ProxyMlpModel}
 
     def afd_check_attention_layers(self) -> None:
         """As in ``common``, and no sequence-parallel MoE (its blocks chunk and gather around the FFN)."""

@@ -11,16 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from vllm.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
 
-from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp
+from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, proxy_type
+
+# The attention role's stand-ins for ``LlamaMLP`` while vLLM's model ``__init__`` runs:
+# the manifests' scoped-rebind entry afd.llama.ffn-proxies binds them (patchkit applies it).
+LlamaMLPProxy = proxy_type(LlamaMLP)
 
 
 class AFDLlamaForCausalLM(AfdCausalLMMixin, LlamaForCausalLM):
     """Llama with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = LlamaDecoderLayer
-    afd_ffn_classes = (LlamaMLP,)
 
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
         bias = getattr(vllm_config.model_config.hf_text_config, "mlp_bias", False)

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.model_executor.models.llama4 import (
-    Llama4DecoderLayer,
     Llama4ForCausalLM,
     Llama4Model,
     Llama4MoE,
@@ -41,7 +40,7 @@ from vllm.model_executor.models.llama4 import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import AfdCausalLMMixin, copy_expert_counts
+from afd_patches.models.common import AfdCausalLMMixin, copy_expert_counts, proxy_type
 
 _FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
@@ -61,11 +60,16 @@ def _experts_out_first(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
         yield name, (w.transpose(-1, -2) if w.dim() == 3 and _FUSED_EXPERTS.search(name) else w)
 
 
+
+# The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
+# afd.llama4.ffn-proxies binds them (patchkit applies it).
+LlamaMLPProxy = proxy_type(LlamaMLP)
+Llama4MoEProxy = proxy_type(Llama4MoE, moe=True)
+
+
 class AFDLlama4ForCausalLM(AfdCausalLMMixin, Llama4ForCausalLM):
     """Llama-4 (text) with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = Llama4DecoderLayer
-    afd_ffn_classes = (Llama4MoE, LlamaMLP)
     afd_moe_classes = (Llama4MoE,)
     afd_ffn_attr = "feed_forward"
     afd_needs_forward_context = True

@@ -24,16 +24,18 @@ import re
 from typing import Any
 
 from torch import nn
-from vllm.model_executor.models.minimax_m2 import MiniMaxM2DecoderLayer, MiniMaxM2ForCausalLM, MiniMaxM2MoE
+from vllm.model_executor.models.minimax_m2 import MiniMaxM2ForCausalLM, MiniMaxM2MoE
 
-from afd_patches.models.common import AfdCausalLMMixin
+from afd_patches.models.common import AfdCausalLMMixin, proxy_type
+
+# The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
+# afd.minimax-m2.ffn-proxies binds them (patchkit applies it).
+MiniMaxM2MoEProxy = proxy_type(MiniMaxM2MoE)
 
 
 class AFDMiniMaxM2ForCausalLM(AfdCausalLMMixin, MiniMaxM2ForCausalLM):
     """MiniMax-M2 with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = MiniMaxM2DecoderLayer
-    afd_ffn_classes = (MiniMaxM2MoE,)
     afd_ffn_attr = "block_sparse_moe"
     afd_needs_forward_context = True
     _FFN_WEIGHT = re.compile(r"(?:^|\.)layers\.(\d+)\.block_sparse_moe\.")

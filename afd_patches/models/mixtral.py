@@ -19,16 +19,18 @@ import re
 from typing import Any
 
 from torch import nn
-from vllm.model_executor.models.mixtral import MixtralDecoderLayer, MixtralForCausalLM, MixtralMoE
+from vllm.model_executor.models.mixtral import MixtralForCausalLM, MixtralMoE
 
-from afd_patches.models.common import AfdCausalLMMixin, copy_expert_counts
+from afd_patches.models.common import AfdCausalLMMixin, copy_expert_counts, proxy_type
+
+# The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
+# afd.mixtral.ffn-proxies binds them (patchkit applies it).
+MixtralMoEProxy = proxy_type(MixtralMoE, moe=True)
 
 
 class AFDMixtralForCausalLM(AfdCausalLMMixin, MixtralForCausalLM):
     """Mixtral with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = MixtralDecoderLayer
-    afd_ffn_classes = (MixtralMoE,)
     afd_moe_classes = (MixtralMoE,)
     afd_ffn_attr = "block_sparse_moe"
     afd_needs_forward_context = True

@@ -11,16 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 
-from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp
+from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, proxy_type
+
+# The attention role's stand-ins for ``Qwen3MLP`` while vLLM's model ``__init__`` runs:
+# the manifests' scoped-rebind entry afd.qwen3.ffn-proxies binds them (patchkit applies it).
+Qwen3MLPProxy = proxy_type(Qwen3MLP)
 
 
 class AFDQwen3ForCausalLM(AfdCausalLMMixin, Qwen3ForCausalLM):
     """Qwen3 with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = Qwen3DecoderLayer
-    afd_ffn_classes = (Qwen3MLP,)
 
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
         return build_dense_mlp(Qwen3MLP, vllm_config, prefix)

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.model_executor.models.qwen3_5 import (
-    Qwen3_5DecoderLayer,
     Qwen3_5ForCausalLM,
     Qwen3_5Model,
     Qwen3_5MoeForCausalLM,
@@ -36,16 +35,21 @@ from vllm.model_executor.models.qwen3_5 import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import build_dense_mlp
+from afd_patches.models.common import build_dense_mlp, proxy_type
 from afd_patches.models.qwen3_next import HybridMoeRules
 
 MOE_TEXT = "qwen3_5_moe_text"  # the model_type for which Qwen3_5DecoderLayer builds sparse MoE blocks
 
 
+# The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
+# afd.qwen3-5.ffn-proxies binds them (patchkit applies it); the dense variant never builds the MoE block.
+Qwen3NextSparseMoeBlockProxy = proxy_type(Qwen3NextSparseMoeBlock, moe=True)
+Qwen3NextMLPProxy = proxy_type(Qwen3NextMLP)
+
+
 class _Qwen3_5Rules(HybridMoeRules):
     """The FFN role of both Qwen3.5 text decoders: what ``Qwen3_5DecoderLayer.__init__`` builds, and its weights."""
 
-    afd_decoder_layer = Qwen3_5DecoderLayer
     afd_needs_forward_context = True
 
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
@@ -63,11 +67,9 @@ class _Qwen3_5Rules(HybridMoeRules):
 class AFDQwen3_5MoeForCausalLM(_Qwen3_5Rules, Qwen3_5MoeForCausalLM):
     """Qwen3.5-MoE (text) with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_ffn_classes = (Qwen3NextSparseMoeBlock, Qwen3NextMLP)
     afd_moe_classes = (Qwen3NextSparseMoeBlock,)
 
 
 class AFDQwen3_5ForCausalLM(_Qwen3_5Rules, Qwen3_5ForCausalLM):
     """Dense Qwen3.5 (text) with Attention-FFN Disaggregation; its layers' FFN is a ``Qwen3NextMLP``."""
 
-    afd_ffn_classes = (Qwen3NextMLP,)

@@ -19,13 +19,12 @@ from typing import Any
 
 from torch import nn
 from vllm.model_executor.models.qwen3_moe import (
-    Qwen3MoeDecoderLayer,
     Qwen3MoeForCausalLM,
     Qwen3MoeMLP,
     Qwen3MoeSparseMoeBlock,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts
+from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts, proxy_type
 
 
 def _is_sparse(config: Any, layer: int) -> bool:
@@ -39,11 +38,16 @@ def _is_sparse(config: Any, layer: int) -> bool:
     return layer not in mlp_only and config.num_experts > 0 and (layer + 1) % step == 0
 
 
+# The attention role's stand-ins for ``Qwen3MoeSparseMoeBlock`` and ``Qwen3MoeMLP`` while vLLM's model
+# ``__init__`` runs;
+# the manifests' scoped-rebind entry afd.qwen3-moe.ffn-proxies binds them (patchkit applies it).
+Qwen3MoeSparseMoeBlockProxy = proxy_type(Qwen3MoeSparseMoeBlock, moe=True)
+Qwen3MoeMLPProxy = proxy_type(Qwen3MoeMLP)
+
+
 class AFDQwen3MoeForCausalLM(AfdCausalLMMixin, Qwen3MoeForCausalLM):
     """Qwen3-MoE with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = Qwen3MoeDecoderLayer
-    afd_ffn_classes = (Qwen3MoeSparseMoeBlock, Qwen3MoeMLP)
     afd_moe_classes = (Qwen3MoeSparseMoeBlock,)
     afd_needs_forward_context = True
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.model_executor.models.qwen3_next import (
-    Qwen3NextDecoderLayer,
     Qwen3NextForCausalLM,
     Qwen3NextMLP,
     Qwen3NextModel,
@@ -37,7 +36,7 @@ from vllm.model_executor.models.qwen3_next import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts
+from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts, proxy_type
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
@@ -67,11 +66,16 @@ class HybridMoeRules(AfdCausalLMMixin):
         super().afd_check_attention_layers()
 
 
+
+# The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
+# afd.qwen3-next.ffn-proxies binds them (patchkit applies it).
+Qwen3NextMLPProxy = proxy_type(Qwen3NextMLP)
+Qwen3NextSparseMoeBlockProxy = proxy_type(Qwen3NextSparseMoeBlock, moe=True)
+
+
 class AFDQwen3NextForCausalLM(HybridMoeRules, Qwen3NextForCausalLM):
     """Qwen3-Next with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = Qwen3NextDecoderLayer
-    afd_ffn_classes = (Qwen3NextSparseMoeBlock, Qwen3NextMLP)
     afd_moe_classes = (Qwen3NextSparseMoeBlock,)
     afd_needs_forward_context = True
 

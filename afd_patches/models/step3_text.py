@@ -27,13 +27,12 @@ import torch
 from torch import nn
 from vllm.model_executor.models.step3_text import (
     FusedMoEBlock,
-    Step3TextDecoderLayer,
     Step3TextForCausalLM,
     Step3TextMLP,
     Step3TextModel,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin
+from afd_patches.models.common import AfdCausalLMMixin, proxy_type
 
 
 def moe_layers(config: Any) -> set[int]:
@@ -55,11 +54,16 @@ class Step3FfnLayer(nn.Module):
         return self.mlp(hidden_states)  # type: ignore[no-any-return]
 
 
+
+# The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
+# afd.step3-text.ffn-proxies binds them (patchkit applies it).
+FusedMoEBlockProxy = proxy_type(FusedMoEBlock)
+Step3TextMLPProxy = proxy_type(Step3TextMLP)
+
+
 class AFDStep3TextForCausalLM(AfdCausalLMMixin, Step3TextForCausalLM):
     """Step-3 with Attention-FFN Disaggregation (role from ``additional_config["afd"]``)."""
 
-    afd_decoder_layer = Step3TextDecoderLayer
-    afd_ffn_classes = (FusedMoEBlock, Step3TextMLP)
     afd_folded_ffn_attrs = ("share_expert",)
     afd_needs_forward_context = True
     _FFN_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.(mlp|moe|share_expert)\.")

@@ -37,15 +37,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
             bad += 1
             print(exc, file=sys.stderr)
             continue
+        pin = "base (extended, never selected)" if m.is_base else f"vllm{m.vllm_version}"
+        chain = f", extends {' <- '.join(Path(f).name for f, _ in m.chain[:-1])}" if len(m.chain) > 1 else ""
         print(f"{path}: ok ({len(m.entries)} entries, {len(m.requires)} requirements, {len(m.models)} models, "
-              f"vllm{m.vllm_version})")
+              f"{pin}{chain})")
     return 1 if bad else 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from patchkit import fingerprint, manifest
     from patchkit.manifest.select import compile_plan
-    from patchkit.plan import Runtime, runtime_verdict
+    from patchkit.plan import Runtime, ScopedRebind, runtime_verdict
     from patchkit.runtime.cache import manifest_files
     from patchkit.runtime.targets import Slot, TargetMissing, unwrap_descriptor
 
@@ -66,6 +68,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             status = 1
             continue
         print(f"{plugin}: {compiled.manifest.file} (plan {compiled.digest})")
+        origin = _origins(compiled.manifest.file) if args.explain else {}
+        if origin:
+            print(f"  from {' <- '.join(Path(f).name for f, _ in reversed(compiled.manifest.chain))}")
+            print("  " + "; ".join(f"{k}: {v}" for k, v in origin.get("", {}).items()))
         entries = {e.id: e for e in compiled.manifest.entries}
         for n, entry_id in enumerate(compiled.order, 1):
             e = entries[entry_id]
@@ -78,10 +84,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     fp = " fingerprint " + fingerprint.compare(e.fingerprint, fingerprint.of_object(func))
                 except (ImportError, TargetMissing) as exc:
                     fp = f" target missing ({exc})"
-            print(f"  {n:2}. {e.id:32} {e.op:8} {e.target}\n      {verdict}{fp}")
+            print(f"  {n:2}. {e.id:32} {e.op:13} {e.target}\n      {verdict}{fp}")
+            if isinstance(e, ScopedRebind):
+                bound = ", ".join(f"{name} -> {ref}" for name, ref in e.bind)
+                print(f"      during each call where {e.active_if} holds, binds in {e.namespace}: {bound}")
+            if e.id in origin:
+                print("      from " + ", ".join(f"{k}: {v}" for k, v in origin[e.id].items()))
         for m in compiled.manifest.models:
             print(f"   model {m.arch} -> {m.class_ref}: {compiled.static.get('model:' + m.arch) or 'guards hold'}")
     return status
+
+
+def _origins(file: str) -> dict[str, dict[str, str]]:
+    """Entry id (``""`` for the top level) → field → ``file:line`` it came from, through ``extends``."""
+    from patchkit import manifest
+
+    res = manifest.resolved(file)
+
+    def at(path: tuple[str | int, ...]) -> str:
+        f, line = res.at(path)
+        return f"{Path(f).name}:{line}"
+
+    out: dict[str, dict[str, str]] = {"": {"vllm.version": at(("vllm", "version"))}}
+    for i, p in enumerate(res.doc.get("patches", [])):
+        out[p["id"]] = {k: at(("patches", i, k)) for k in p}
+    if res.doc.get("workers"):
+        out["workers"] = {k: at(("workers", k)) for k in res.doc["workers"]}
+    return out
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -123,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifests", help="a manifest folder (default: every registered plugin's)")
     p.add_argument("--plugin", help="only this registered plugin")
     p.add_argument("--fingerprints", action="store_true", help="import each target module and compare fingerprints")
+    p.add_argument("--explain", action="store_true",
+                   help="for each entry, the file and line each field came from (through extends)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("fingerprint", help="print the fingerprint of live targets (imports their modules)")
     p.add_argument("targets", nargs="+", metavar="module:qualname")

@@ -2,9 +2,10 @@
 rules the schema cannot say (``validate``), and choosing and ordering the plan for a vLLM (``select``).
 
 Cold: used when the plan cache misses, and by the review tools and the CLI, never on the hook's warm path.
-``load``, ``parse`` and ``registered_manifest_dirs`` are the layer's entry points.
+``load``, ``parse``, ``resolved`` (a file with its ``extends`` chain merged), ``releases`` and
+``registered_manifest_dirs`` are the layer's entry points.
 """
 
-from patchkit.manifest.validate import load, parse, registered_manifest_dirs
+from patchkit.manifest.validate import load, parse, registered_manifest_dirs, releases, resolved
 
-__all__ = ["load", "parse", "registered_manifest_dirs"]
+__all__ = ["load", "parse", "registered_manifest_dirs", "releases", "resolved"]

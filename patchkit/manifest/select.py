@@ -17,7 +17,16 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from patchkit.plan import Compiled, Entry, Manifest, ManifestError, Runtime, UnsupportedRelease, override_key
+from patchkit.plan import (
+    Change,
+    Compiled,
+    Manifest,
+    ManifestError,
+    Runtime,
+    UnsupportedRelease,
+    WorkerOverride,
+    override_key,
+)
 
 
 def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
@@ -41,9 +50,9 @@ def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
     static = {e.id: static_verdict(e.when, runtime) for e in ordered}
     static.update({f"model:{m.arch}": static_verdict(m.when, runtime) for m in chosen.models})
     for e in ordered:
-        if e.workers:
+        if isinstance(e, WorkerOverride):
             static.update({override_key(e.id, i): static_verdict(o.get("when", {}), runtime)
-                           for i, o in enumerate(e.workers["overrides"])})
+                           for i, o in enumerate(e.overrides)})
     digest = hashlib.sha256(f"{chosen.digest}|{[e.id for e in ordered]}".encode()).hexdigest()[:16]
     return Compiled(chosen, [e.id for e in ordered], static, supported(manifests), None, digest)
 
@@ -51,7 +60,7 @@ def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
 def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
     """The manifest for ``runtime``; UnsupportedRelease lists the supported releases otherwise."""
     commit = runtime.vllm_commit or ""
-    pinned = sorted((m for m in manifests if not m.fallback), key=lambda m: m.file)
+    pinned = sorted((m for m in manifests if not m.fallback and not m.is_base), key=lambda m: m.file)
     for m in pinned:
         if m.vllm_commit and commit and (commit.startswith(m.vllm_commit) or m.vllm_commit.startswith(commit)):
             return m
@@ -59,7 +68,7 @@ def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
         if version_in(m.vllm_version, runtime.vllm_version):
             return m
     for m in manifests:
-        if m.fallback:
+        if m.fallback and not m.is_base:
             return m
     raise UnsupportedRelease(
         f"vLLM {runtime.vllm_version or 'not installed'} (commit {runtime.vllm_commit or 'unknown'}) "
@@ -68,14 +77,15 @@ def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
 
 
 def supported(manifests: list[Manifest]) -> str:
-    return ", ".join(f"vllm{m.vllm_version}" for m in sorted(manifests, key=lambda m: m.file) if not m.fallback)
+    return ", ".join(f"vllm{m.vllm_version}" for m in sorted(manifests, key=lambda m: m.file)
+                     if not m.fallback and not m.is_base)
 
 
-def order(entries: tuple[Entry, ...]) -> list[Entry]:
+def order(entries: tuple[Change, ...]) -> list[Change]:
     """Topological order over ``after``; among ready entries, file order first."""
     placed: set[str] = set()
     remaining = list(entries)
-    result: list[Entry] = []
+    result: list[Change] = []
     while remaining:
         for i, e in enumerate(remaining):
             if all(dep in placed for dep in e.after):

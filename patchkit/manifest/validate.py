@@ -1,11 +1,14 @@
 """Manifest files → validated, immutable ``Manifest`` objects.
 
 Reading a manifest is three checks, each naming file, line and field:
-1. safe YAML (``yamlsrc``): only plain data, no duplicate keys;
-2. the JSON Schema ``manifest.schema.json``: shapes, types, no unknown keys;
+1. safe YAML (``yamlsrc``): only plain data, no duplicate keys; a file that ``extends``
+   another is merged with it first (``patchkit.manifest.inherit``), and every later
+   problem names the file and line its value came from;
+2. the JSON Schema ``manifest.schema.json`` on the resolved document: shapes, types, no unknown keys;
 3. semantics (``_semantic_problems``): unique ids, known ``after`` ids, no cycles,
-   no two unordered writers of one attribute, the fields each op needs, and every
-   callable inside the packages the manifest declares.
+   no two unordered writers of one attribute, the fields each op needs (``scoped-rebind``:
+   ``bind`` and ``active_if``, no ``with``/``value``), and every callable inside the
+   packages the manifest declares.
 
 A file that fails any check yields a ``ManifestError`` listing every problem; no
 object is imported while reading, so a bad manifest patches nothing.
@@ -22,11 +25,20 @@ import pathlib
 from functools import cache
 from typing import Any
 
+from patchkit.manifest.inherit import MAX_FILE_BYTES, Resolved, read_bytes, resolve
 from patchkit.manifest.problems import FieldPath, Problem, field_name
-from patchkit.plan import WORKERS_ENTRY_ID, Entry, Manifest, ManifestError, ModelRegistration
+from patchkit.plan import (
+    WORKERS_ENTRY_ID,
+    Change,
+    Manifest,
+    ManifestError,
+    ModelRegistration,
+    Patch,
+    Requirement,
+    ScopedRebind,
+    WorkerOverride,
+)
 from patchkit.runtime.cache import schema_path
-
-MAX_FILE_BYTES = 256 * 1024
 
 
 @cache
@@ -37,13 +49,16 @@ def _validator() -> Any:
     return jsonschema.Draft202012Validator(schema)
 
 
-def _line(lines: dict[FieldPath, int], path: FieldPath) -> int:
-    while path and path not in lines:
-        path = path[:-1]
-    return lines.get(path, 1)
+def _at(res: Resolved, path: FieldPath) -> tuple[str, int]:
+    """File and line a value came from (its nearest located ancestor's)."""
+    return res.at(path)
 
 
-def _schema_problems(doc: Any, lines: dict[FieldPath, int], file: str) -> list[Problem]:
+def _source(res: Resolved, path: FieldPath) -> str:
+    return "{}:{}".format(*res.at(path))
+
+
+def _schema_problems(doc: Any, lines: Resolved) -> list[Problem]:
     problems = []
     for error in _validator().iter_errors(doc):
         path: FieldPath = tuple(error.absolute_path)
@@ -52,7 +67,7 @@ def _schema_problems(doc: Any, lines: dict[FieldPath, int], file: str) -> list[P
             allowed = set(error.schema.get("properties", {}))
             for key in sorted(set(error.instance) - allowed):
                 problems.append(
-                    Problem(file, _line(lines, (*path, key)), field_name((*path, key)),
+                    Problem(*_at(lines, (*path, key)), field_name((*path, key)),
                             f"unknown key {key!r} (allowed: {', '.join(sorted(allowed))})")
                 )
             continue
@@ -60,19 +75,19 @@ def _schema_problems(doc: Any, lines: dict[FieldPath, int], file: str) -> list[P
             message = message.replace("is a required property", "is required")
         elif len(message) > 200:
             message = message[:200] + "…"
-        problems.append(Problem(file, _line(lines, path), field_name(path), message))
-    return sorted(problems, key=lambda p: (p.line, p.field))
+        problems.append(Problem(*_at(lines, path), field_name(path), message))
+    return sorted(problems, key=lambda p: (p.file, p.line, p.field))
 
 
 def _ref_package(ref: str) -> str:
     return ref.partition(":")[0].split(".")[0]
 
 
-def _semantic_problems(doc: dict[str, Any], lines: dict[FieldPath, int], file: str) -> list[Problem]:
+def _semantic_problems(doc: dict[str, Any], lines: Resolved) -> list[Problem]:
     problems: list[Problem] = []
 
     def add(path: FieldPath, message: str) -> None:
-        problems.append(Problem(file, _line(lines, path), field_name(path), message))
+        problems.append(Problem(*_at(lines, path), field_name(path), message))
 
     packages = set(doc["packages"])
 
@@ -93,6 +108,21 @@ def _semantic_problems(doc: dict[str, Any], lines: dict[FieldPath, int], file: s
             add(("patches", i, "value"), f"op {op!r} takes no 'value'")
         if op == "set" and ("with" in p) == ("value" in p):
             add(("patches", i), "op 'set' needs exactly one of 'value' and 'with'")
+        if op == "scoped-rebind":
+            for key in ("with", "value"):
+                if key in p:
+                    add(("patches", i, key), f"op 'scoped-rebind' takes no {key!r}")
+            for key in ("bind", "active_if"):
+                if key not in p:
+                    add(("patches", i), f"op 'scoped-rebind' needs {key!r}")
+            for name, ref in p.get("bind", {}).items():
+                check_ref(("patches", i, "bind", name), ref)
+            if "active_if" in p:
+                check_ref(("patches", i, "active_if"), p["active_if"])
+        else:
+            for key in ("module", "bind", "active_if"):
+                if key in p:
+                    add(("patches", i, key), f"{key!r} is for op 'scoped-rebind' only")
         if "with" in p:
             check_ref(("patches", i, "with"), p["with"])
     workers = doc.get("workers")
@@ -224,92 +254,100 @@ def _conflict_problems(doc: dict[str, Any], graph: dict[str, list[str]], add: An
             if not _comes_after(graph, idb, ida):
                 add(pathb, f"{idb!r} and {ida!r} both write {target} with no order between them"
                           " (add one to the other's 'after')")
-            elif opb != "wrap":  # b comes after a and does not delegate to it
+            elif opb not in ("wrap", "scoped-rebind"):  # b comes after a and does not delegate to it
                 add(pathb, f"{idb!r} ({opb}) comes after {ida!r} ({opa}) on {target} and would discard it")
 
 
-def _build(doc: dict[str, Any], lines: dict[FieldPath, int], file: str, digest: str) -> Manifest:
+def _change(p: dict[str, Any], defaults: dict[str, Any], source: str) -> Change:
+    """The typed entry of one ``patches[]`` item (validated)."""
+    rebind = p.get("rebind", defaults.get("rebind", "auto"))
+    common: dict[str, Any] = {
+        "id": p["id"], "target": p["target"], "source": source, "fingerprint": p.get("fingerprint"),
+        "after": tuple(p.get("after", [])), "when": p.get("when", {}),
+        "rebind": tuple(rebind) if isinstance(rebind, list) else rebind,
+        "on_drift": p.get("on_drift", defaults.get("on_drift", "fail")),
+        "required": p.get("required", defaults.get("required", True)),
+        "why": p["why"], "upstream": p.get("upstream"), "retire_when": p.get("retire_when", {}),
+    }
+    if p["op"] == "scoped-rebind":
+        return ScopedRebind(**common, namespace=p.get("module", p["target"].partition(":")[0]),
+                            bind=tuple(p["bind"].items()), active_if=p["active_if"])
+    return Patch(**common, op=p["op"], with_=p.get("with"), value=p.get("value"), has_value="value" in p)
+
+
+def _build(doc: dict[str, Any], lines: Resolved, file: str) -> Manifest:
     defaults = doc.get("defaults", {})
-    entries = []
-    for i, p in enumerate(doc.get("patches", [])):
-        rebind = p.get("rebind", defaults.get("rebind", "auto"))
-        entries.append(Entry(
-            id=p["id"], target=p["target"], op=p["op"], line=_line(lines, ("patches", i)),
-            with_=p.get("with"), value=p.get("value"), has_value="value" in p,
-            fingerprint=p.get("fingerprint"), after=tuple(p.get("after", [])), when=p.get("when", {}),
-            rebind=tuple(rebind) if isinstance(rebind, list) else rebind,
-            on_drift=p.get("on_drift", defaults.get("on_drift", "fail")),
-            required=p.get("required", defaults.get("required", True)),
-            why=p["why"], upstream=p.get("upstream"), retire_when=p.get("retire_when", {}),
-        ))
+    entries: list[Change] = [_change(p, defaults, _source(lines, ("patches", i)))
+                             for i, p in enumerate(doc.get("patches", []))]
     workers = doc.get("workers")
     if workers:
-        entries.append(Entry(
-            id=WORKERS_ENTRY_ID, target=workers["at"], op="workers", line=_line(lines, ("workers",)),
+        entries.append(WorkerOverride(
+            id=WORKERS_ENTRY_ID, target=workers["at"], source=_source(lines, ("workers",)),
             fingerprint=workers.get("fingerprint"), after=tuple(workers.get("after", [])),
             rebind="none", on_drift=workers.get("on_drift", defaults.get("on_drift", "fail")),
             why="select role-specific worker classes when worker_cls is 'auto'",
-            workers={"role_of": workers["role_of"], "overrides": workers["overrides"]},
+            role_of=workers["role_of"], overrides=tuple(workers["overrides"]),
         ))
     models = tuple(
-        ModelRegistration(arch=m["arch"], class_ref=m["class"], line=_line(lines, ("models", k)),
+        ModelRegistration(arch=m["arch"], class_ref=m["class"], source=_source(lines, ("models", k)),
                           when=m.get("when", {}))
         for k, m in enumerate(doc.get("models", []))
     )
     requires = tuple(
-        Entry(id=f"require:{r['target']}", target=r["target"], op="require", line=_line(lines, ("requires", i)),
-              fingerprint=r.get("fingerprint"), rebind="none", pin=r["pin"], indirect=r.get("indirect", False),
-              on_drift=r.get("on_drift", defaults.get("on_drift", "fail")), why=r["why"])
+        Requirement(id=f"require:{r['target']}", target=r["target"], source=_source(lines, ("requires", i)),
+                    fingerprint=r.get("fingerprint"), pin=r["pin"], indirect=r.get("indirect", False),
+                    on_drift=r.get("on_drift", defaults.get("on_drift", "fail")), why=r["why"])
         for i, r in enumerate(doc.get("requires", []))
     )
+    import hashlib
+
+    pin = doc.get("vllm") or {}
     return Manifest(
         file=file, plugin=doc["plugin"], packages=tuple(doc["packages"]),
-        vllm_version=doc["vllm"]["version"], vllm_commit=doc["vllm"].get("commit"),
-        fallback=doc.get("fallback", False), entries=tuple(entries), models=models, digest=digest,
-        requires=requires,
+        vllm_version=pin.get("version"), vllm_commit=pin.get("commit"),
+        fallback=doc.get("fallback", False), entries=tuple(entries), models=models,
+        digest=hashlib.sha256("|".join(sha for _, sha in lines.chain).encode()).hexdigest(),
+        chain=lines.chain, requires=requires,
     )
 
 
 def parse(text: str | bytes, file: str) -> Manifest:
-    """Validate one manifest's text completely; raise ManifestError listing every problem."""
-    import hashlib
-
-    from patchkit.manifest import source as yamlsrc
-
+    """Validate one manifest's text completely, with the files it ``extends`` (read from ``file``'s
+    folder); raise ManifestError listing every problem, each at the file and line its value came from."""
     # surrogatepass: a str holding lone surrogates becomes bytes that fail UTF-8 decoding in
     # yamlsrc (a ManifestError naming the line), not a UnicodeEncodeError here.
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     if len(raw) > MAX_FILE_BYTES:
         raise ManifestError([Problem(file, 1, "", f"larger than {MAX_FILE_BYTES // 1024} KiB: not read"
                                                   " (a manifest is a few KB)")])
-    try:
-        doc, lines = yamlsrc.load(raw, file)
-    except RecursionError:
-        raise ManifestError([Problem(file, 1, "", "document nested too deeply")]) from None
-    if not isinstance(doc, dict):
-        raise ManifestError([Problem(file, 1, "", f"a manifest is a mapping, not {type(doc).__name__}")])
-    problems = _schema_problems(doc, lines, file)
+    return build(resolve(raw, file))
+
+
+def build(res: Resolved) -> Manifest:
+    """Validate a resolved document (schema, semantics, specifiers) and build its ``Manifest``."""
+    doc = res.doc
+    problems = _schema_problems(doc, res)
     if not problems:
-        problems = _semantic_problems(doc, lines, file)
+        problems = _semantic_problems(doc, res)
         if not problems:
-            _check_specifiers(doc, lines, file, problems)
+            _check_specifiers(doc, res, problems)
     if problems:
         raise ManifestError(problems)
-    return _build(doc, lines, file, hashlib.sha256(raw).hexdigest())
+    return _build(doc, res, res.chain[-1][0])
 
 
-def _check_specifiers(doc: dict[str, Any], lines: dict[FieldPath, int], file: str,
-                      problems: list[Problem]) -> None:
+def _check_specifiers(doc: dict[str, Any], lines: Resolved, problems: list[Problem]) -> None:
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
     def check(path: FieldPath, spec: str) -> None:
         try:
             SpecifierSet(spec)
         except InvalidSpecifier:
-            problems.append(Problem(file, _line(lines, path), field_name(path),
+            problems.append(Problem(*_at(lines, path), field_name(path),
                                     f"{spec!r} is not a PEP 440 version specifier"))
 
-    check(("vllm", "version"), doc["vllm"]["version"])
+    if "vllm" in doc:
+        check(("vllm", "version"), doc["vllm"]["version"])
     guarded: list[tuple[FieldPath, dict[str, Any]]] = [
         *((("patches", i), p) for i, p in enumerate(doc.get("patches", []))),
         *((("models", k), m) for k, m in enumerate(doc.get("models", []))),
@@ -324,14 +362,31 @@ def _check_specifiers(doc: dict[str, Any], lines: dict[FieldPath, int], file: st
 
 
 def load(path: str | pathlib.Path) -> Manifest:
-    """Read and validate one manifest file (refused unread past ``MAX_FILE_BYTES``)."""
+    """Read and validate one manifest file and its ``extends`` chain (each refused unread past
+    ``MAX_FILE_BYTES``)."""
     path = pathlib.Path(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ManifestError([Problem(str(path), 1, "", f"cannot read: {exc.strerror}")]) from None
-    return parse(raw, str(path))
+    return build(resolve(read_bytes(path), str(path)))
+
+
+def resolved(path: str | pathlib.Path) -> Resolved:
+    """The resolved document of one manifest file (not validated): for tools that edit or compare it."""
+    path = pathlib.Path(path)
+    return resolve(read_bytes(path), str(path))
+
+
+def releases(folder: str | pathlib.Path) -> list[tuple[str, Manifest]]:
+    """The releases a manifest folder supports: ``(version, manifest)`` for every manifest pinned to one
+    version (``vllm.version == "==X"``), lowest version first; bases and fallbacks are left out.
+    Raises ManifestError when a file is invalid. The one place the release list comes from (nox sessions,
+    tests, README's table)."""
+    from packaging.version import Version
+
+    found = []
+    for path in sorted(pathlib.Path(folder).glob("*.yaml")):
+        m = load(path)
+        if not m.is_base and not m.fallback and m.vllm_version and m.vllm_version.startswith("=="):
+            found.append((m.vllm_version[2:], m))
+    return sorted(found, key=lambda vm: Version(vm[0]))
 
 
 ENTRY_POINT_GROUP = "patchkit.manifests"

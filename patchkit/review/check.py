@@ -113,8 +113,9 @@ def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None 
             report.notes.append("op 'set' creates the attribute: not a failure")
         fails = entry.required and entry.on_drift == "fail" and report.verdict in _FAILING and not creates
         retire = None
-        if "vllm" in entry.retire_when:
-            spec = entry.retire_when["vllm"]
+        retire_when = getattr(entry, "retire_when", {})  # changes have it, requirements do not
+        if "vllm" in retire_when:
+            spec = retire_when["vllm"]
             retire = {"vllm": spec, "met": _version_holds(spec, tree.version)}
         d = report.definition
         file = tree.path_of(d.module) if d else None

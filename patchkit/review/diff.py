@@ -41,11 +41,21 @@ from typing import Any
 
 from patchkit import fingerprint, manifest
 from patchkit.manifest.select import order
-from patchkit.plan import WORKERS_ENTRY_ID, Entry, Manifest, ManifestError, ModelRegistration
+from patchkit.plan import (
+    WORKERS_ENTRY_ID,
+    Manifest,
+    ManifestError,
+    ModelRegistration,
+    Patch,
+    Requirement,
+    ScopedRebind,
+    WorkerOverride,
+)
+from patchkit.plan import Change as Entry  # diff.py has a Change of its own: a difference
 
 FORMATS = ("text", "markdown", "json")
-_ENTRY_FIELDS = ("target", "op", "with", "value", "when", "after", "fingerprint", "rebind", "on_drift",
-                 "required", "why", "upstream", "retire_when")
+_ENTRY_FIELDS = ("target", "op", "with", "value", "module", "bind", "active_if", "when", "after", "fingerprint",
+                 "rebind", "on_drift", "required", "why", "upstream", "retire_when")
 _REQUIRE_FIELDS = ("pin", "fingerprint", "on_drift", "indirect", "why")
 _WORKER_FIELDS = ("at", "fingerprint", "after", "on_drift", "role_of", "overrides")
 _NULL_DEVICE = "/dev/null"
@@ -85,21 +95,25 @@ class Change:
 
 
 def _entry_view(e: Entry) -> dict[str, Any]:
+    scoped = isinstance(e, ScopedRebind)
+    patch = e if isinstance(e, Patch) else None
     return {
-        "target": e.target, "op": e.op, "with": e.with_, "value": e.value if e.has_value else None,
+        "target": e.target, "op": e.op, "with": patch.with_ if patch else None,
+        "value": patch.value if patch and patch.has_value else None,
+        "module": e.namespace if scoped else None, "bind": dict(e.bind) if scoped else None,
+        "active_if": e.active_if if scoped else None,
         "when": e.when, "after": list(e.after), "fingerprint": e.fingerprint,
         "rebind": list(e.rebind) if isinstance(e.rebind, tuple) else e.rebind, "on_drift": e.on_drift,
         "required": e.required, "why": e.why, "upstream": e.upstream, "retire_when": e.retire_when,
     }
 
 
-def _workers_view(e: Entry) -> dict[str, Any]:
-    w = e.workers or {}
+def _workers_view(e: WorkerOverride) -> dict[str, Any]:
     return {"at": e.target, "fingerprint": e.fingerprint, "after": list(e.after), "on_drift": e.on_drift,
-            "role_of": w.get("role_of"), "overrides": w.get("overrides", [])}
+            "role_of": e.role_of, "overrides": list(e.overrides)}
 
 
-def _requirement_view(e: Entry) -> dict[str, Any]:
+def _requirement_view(e: Requirement) -> dict[str, Any]:
     return {"pin": e.pin, "fingerprint": e.fingerprint, "on_drift": e.on_drift, "indirect": e.indirect, "why": e.why}
 
 

@@ -39,6 +39,13 @@ What changes, and what does not:
   the input (an unreviewed earlier output) are dropped, since they are about
   another tree.
 
+A manifest that ``extends`` a base (docs/manifests.md, *Inheritance*) is retargeted
+on its own text: the output is the new release's file only (the same ``extends``, the
+new pin, the overrides it had), plus an override (``- id: …`` / ``- target: …`` with a
+``fingerprint`` and its comment lines, or ``workers: {fingerprint}``) for each entry
+whose fingerprint comes from the base and must be flagged, re-pinned or carried from
+``reviewed``. ``out`` must be in the same folder as the base.
+
 Exit codes: 0 nothing needs a human, 1 at least one entry needs review (the file
 is still written), 2 bad input (unreadable or invalid manifest, not a vLLM tree,
 bad ``--version``/``--commit``, unknown tree version without ``--version``);
@@ -59,7 +66,7 @@ import gc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -354,6 +361,7 @@ def retarget_text(text: str, file: str, tree: SourceTree, version: str | None = 
             editor.drop_line(i)
 
     _edit_pin(editor, root, version, commit)
+    overrides = _Overrides(root, editor) if "extends" in _items(root) else None
     decisions = []
     for check in checks:
         entry, r = check.entry, check.report
@@ -361,20 +369,30 @@ def retarget_text(text: str, file: str, tree: SourceTree, version: str | None = 
         decision = Decision(entry.id, entry.target, r.verdict, r.pinned, r.found, "kept", notes=_notes(check))
         reason = _review_reason(check)
         fp_key = where.keys.get("fingerprint") if where else None
-        if entry.op == "require" and not reason and fp_key and r.found and r.found != r.pinned:
-            editor.replace(fp_key[1], _quote(r.found))  # a part the pin ignores changed: follow it
-        if reason and entry.id in carried and r.found and carried[entry.id][0] == r.found and fp_key:
+        inherited = fp_key is None and overrides is not None  # the fingerprint comes from the base file
+        if entry.op == "require" and not reason and r.found and r.found != r.pinned:
+            if fp_key:  # a part the pin ignores changed: follow it
+                editor.replace(fp_key[1], _quote(r.found))
+            elif inherited and entry.fingerprint:
+                overrides.add(entry, [], r.found)
+        if reason and entry.id in carried and r.found and carried[entry.id][0] == r.found and (fp_key or inherited):
             decision.action = "carried"
             decision.reasons.append(f"{reason}: review carried from {reviewed[1] if reviewed else ''}")
-            editor.replace(fp_key[1], _quote(r.found))
-            editor.comment_above(fp_key[0].start_mark.line, carried[entry.id][1])
+            if fp_key:
+                editor.replace(fp_key[1], _quote(r.found))
+                editor.comment_above(fp_key[0].start_mark.line, carried[entry.id][1])
+            else:
+                overrides.add(entry, carried[entry.id][1], r.found)
             reason = None
         if reason:
             decision.action = "review"
             decision.reasons.append(reason)
-            anchor = fp_key or (where.keys.get("target") or where.keys.get("at") if where else None)
-            line = anchor[0].start_mark.line if anchor else (where.mapping.start_mark.line if where else 0)
-            editor.comment_above(line, [f"{REVIEW_MARK} {reason}"])
+            if inherited and entry.fingerprint:  # flagged in the release's own file, keeping the old fingerprint
+                overrides.add(entry, [f"{REVIEW_MARK} {reason}"], entry.fingerprint)
+            else:
+                anchor = fp_key or (where.keys.get("target") or where.keys.get("at") if where else None)
+                line = anchor[0].start_mark.line if anchor else (where.mapping.start_mark.line if where else 0)
+                editor.comment_above(line, [f"{REVIEW_MARK} {reason}"])
         if check.retire and _version_holds(check.retire["vllm"], tree_version):
             decision.action = "review"
             message = (f"retire_when vllm{check.retire['vllm']} holds for vLLM {tree_version}: "
@@ -385,12 +403,54 @@ def retarget_text(text: str, file: str, tree: SourceTree, version: str | None = 
             editor.comment_above(line, [f"{REVIEW_MARK} {message}"])
         decisions.append(decision)
 
+    if overrides is not None:
+        overrides.write()
     new_text = editor.result()
     try:
         manifest_mod.parse(new_text, file)
     except ManifestError as exc:  # a bug here, never the user's input: say so plainly
         raise RetargetError(f"internal error: the retargeted manifest does not validate:\n{exc}") from None
     return RetargetResult(new_text, version, commit, tree_version, decisions)
+
+
+class _Overrides:
+    """Entries a release file (one with ``extends``) must override for the new tree: appended to its sections.
+
+    Each is ``- <key>: …`` with comment lines and a ``fingerprint`` only; resolving merges it onto the base's
+    entry field by field (and onto an override the file already has for another field)."""
+
+    _SECTION: ClassVar[dict[str, tuple[str, str]]] = {"require": ("requires", "target")}
+
+    def __init__(self, root: yaml.MappingNode, editor: _Editor) -> None:
+        self.root = root
+        self.editor = editor
+        self.items: dict[str, list[str]] = {}
+
+    def add(self, entry: Any, comments: list[str], fingerprint: str) -> None:
+        if entry.op == "workers":
+            self.items.setdefault("workers", []).extend([*comments, f"fingerprint: {_quote(fingerprint)}"])
+            return
+        section, key = self._SECTION.get(entry.op, ("patches", "id"))
+        value = entry.target if key == "target" else entry.id
+        block = [f"- {key}: {value}", *(f"  {c}" for c in comments), f"  fingerprint: {_quote(fingerprint)}"]
+        self.items.setdefault(section, []).extend(block)
+
+    def write(self) -> None:
+        top = _items(self.root)
+        lines = self.editor.lines
+        for section, block in self.items.items():
+            node = top[section][1] if section in top else None
+            if node is None or not node.value:
+                text = "".join(f"  {b}\n" for b in block)
+                tail = "" if not lines or lines[-1].endswith("\n") else "\n"
+                self.editor.inserts.setdefault(len(lines), []).append(f"{tail}{section}:\n{text}")
+                continue
+            first = node.value[0]
+            indent = first.start_mark.column - (2 if section != "workers" else 0)
+            end = node.end_mark.line + (1 if node.end_mark.column else 0)
+            while end > 0 and not lines[end - 1].strip():
+                end -= 1  # after the section's last line, before the blank lines that follow it
+            self.editor.inserts.setdefault(end, []).extend(" " * indent + b + "\n" for b in block)
 
 
 def _edit_pin(editor: _Editor, root: yaml.MappingNode, version: str, commit: str | None) -> None:
@@ -467,6 +527,10 @@ def run_retarget(manifest_path: str | Path, vllm_src: str, out: str | Path, vers
     finally:
         if collecting:
             gc.enable()
+    base = manifest_mod.resolved(manifest_path).chain[:-1]
+    if base and Path(out).resolve().parent != manifest_path.resolve().parent:
+        return 2, (f"patchkit retarget: {out}: a release file that extends {Path(base[-1][0]).name} must be written "
+                   f"next to it, in {manifest_path.parent}")
     try:
         Path(out).write_text(result.text, encoding="utf-8")
     except OSError as exc:

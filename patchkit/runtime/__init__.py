@@ -7,8 +7,8 @@ and each other; never the manifest loader, the review tools or the CLI.
 Warm-path rules. The plugin hook runs in every vLLM process, where each module it
 loads costs more than most of the work it does. So: with a warm plan cache and no
 target module imported yet, ``patchkit.activate`` loads only ``patchkit``,
-``plan``, ``runtime``, ``runtime.cache`` and ``runtime.engine`` (which holds the
-post-import callbacks for that reason); everything else (``targets``, ``wrappers``,
+``plan``, ``runtime``, ``runtime.cache``, ``runtime.engine`` and ``runtime.hooks`` (the
+post-import callbacks); everything else (``targets``, ``wrappers``, ``scoped``,
 ``rebind``, ``vllm``, ``fingerprint``, ``report``) is imported inside the function
 that first needs it, and nothing imports YAML, JSON Schema or ``packaging``.
 ``tests/patchkit/test_layers.py`` enforces both the layers and this list.

@@ -190,7 +190,7 @@ def write_private(name: str, data: bytes) -> None:
 
 # -- what the cache holds --------------------------------------------------------------------------
 
-FORMAT = "patchkit-plan-6"
+FORMAT = "patchkit-plan-8"
 _FINGERPRINTS = "fingerprints.json"
 _HEX = frozenset("0123456789abcdef")
 
@@ -246,13 +246,11 @@ def _plan_from_json(data: Any, digests: dict[str, str]) -> Compiled | None:
     manifest = plan.manifest
     if manifest is None:
         return plan if isinstance(plan.error, str) else None
-    if digests.get(manifest.file) != manifest.digest:
-        return None
+    on_disk = {os.path.normpath(f): sha for f, sha in digests.items()}
+    if not manifest.chain or any(on_disk.get(os.path.normpath(f)) != sha for f, sha in manifest.chain):
+        return None  # a file of the extends chain changed (or is not in the folder): compile again
     packages = set(manifest.packages)
-    refs = [*(e.with_ for e in manifest.entries if e.with_), *(m.class_ref for m in manifest.models)]
-    for e in manifest.entries:
-        if e.workers:
-            refs += [e.workers["role_of"], *(o["class"] for o in e.workers["overrides"])]
+    refs = [*(r for e in manifest.entries for r in e.refs()), *(m.class_ref for m in manifest.models)]
     if not all(isinstance(r, str) and r.partition(":")[0].split(".")[0] in packages for r in refs):
         return None
     return plan

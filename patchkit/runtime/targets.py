@@ -2,9 +2,12 @@
 
 ``install`` puts one manifest entry in place: it resolves the target, refuses a
 target that already holds this entry's object, runs the entry's feature probes,
-checks the pinned fingerprint (applying ``on_drift``), builds the new object
-(the ``with:`` callable, a generated wrapper, the worker override, or the
-``set`` value) and swaps it in; ``rebind_aliases`` then repoints the aliases in
+checks the pinned fingerprint (applying ``on_drift``), builds the new object and
+swaps it in. There is one path for every kind of change: ``replace`` and ``set``
+put an object in (the ``with:`` object or the ``set`` value); every other change
+is a wrap, built by ``make_wrapper`` around a factory its kind supplies
+(``wrap``: the ``with:`` callable; ``scoped-rebind``: ``patchkit.runtime.scoped``;
+the worker override: ``patchkit.runtime.vllm.worker_wrapper``); ``rebind_aliases`` then repoints the aliases in
 the entry's rebind scope, and ``undo`` restores the original and those aliases.
 Each call changes one target and reports through the record it is given (the
 engine's ``Outcome``; typed ``Any`` so that this module never imports the
@@ -34,10 +37,10 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from patchkit.plan import MISSING, override_key
+from patchkit.plan import MISSING, Patch, ScopedRebind, WorkerOverride, override_key
 
 if TYPE_CHECKING:
-    from patchkit.plan import Entry, Runtime
+    from patchkit.plan import Change, Runtime
     from patchkit.runtime.cache import Fingerprints
 
 logger = logging.getLogger("patchkit")
@@ -122,7 +125,7 @@ class Skip(Exception):
         self.reason = reason
 
 
-def install(entry: Entry, record: Any, plugin: str, runtime: Runtime, static: dict[str, str | None],
+def install(entry: Change, record: Any, plugin: str, runtime: Runtime, static: dict[str, str | None],
             fingerprints: Fingerprints, previous: Any) -> None:
     """Swap ``entry``'s object into its target; fill ``record``'s fingerprint, slot, original and installed.
 
@@ -155,7 +158,7 @@ def install(entry: Entry, record: Any, plugin: str, runtime: Runtime, static: di
     record.slot, record.original, record.installed = slot, original, new
 
 
-def rebind_aliases(entry: Entry, record: Any, packages: tuple[str, ...]) -> None:
+def rebind_aliases(entry: Change, record: Any, packages: tuple[str, ...]) -> None:
     """Repoint the aliases of an installed module-level entry in its rebind scope; list the unreachable ones."""
     slot = record.slot
     if slot is None or slot.on_class or record.original is MISSING or entry.op == "set":
@@ -171,35 +174,55 @@ def rebind_aliases(entry: Entry, record: Any, packages: tuple[str, ...]) -> None
         raise EntryFailed(f"rebinding aliases of {entry.target} failed: {exc!r}") from None
 
 
-def new_object(entry: Entry, func: Any, marker: tuple[str, str], runtime: Runtime,
+def new_object(entry: Change, func: Any, marker: tuple[str, str], runtime: Runtime,
                static: dict[str, str | None]) -> Any:
-    """What goes into the target: the ``set`` value, the ``with:`` object, or a wrapper around ``func``."""
-    if entry.op == "set" and entry.has_value:
-        return entry.value
+    """What goes into the target: the ``set`` value, the ``with:`` object, or a wrapper around ``func``
+    (``wrap``, ``scoped-rebind`` and the worker override are one mechanism: a factory, wrapped here)."""
+    if isinstance(entry, Patch) and entry.op != "wrap":
+        if entry.has_value:
+            return entry.value
+        return _import(entry.with_ or "")
+    factory = wrap_factory(entry, runtime, static)
+    if not callable(func):
+        raise EntryFailed(f"{entry.op} needs a callable target ({entry.target})")
     from patchkit.runtime.wrappers import make_wrapper
 
-    if entry.op == "workers":
+    return make_wrapper(factory, func, marker)
+
+
+def wrap_factory(entry: Change, runtime: Runtime, static: dict[str, str | None]) -> Any:
+    """``factory(original, *args, **kwargs)`` of a wrapping entry (EntryFailed when it cannot be built)."""
+    if isinstance(entry, WorkerOverride):
         from patchkit.runtime import vllm as vllm_adapter
 
         try:
-            spec = entry.workers or {}
-            verdicts = [static.get(override_key(entry.id, i)) for i in range(len(spec["overrides"]))]
-            factory = vllm_adapter.worker_wrapper(import_ref(spec["role_of"]), spec["overrides"], runtime, verdicts)
+            verdicts = [static.get(override_key(entry.id, i)) for i in range(len(entry.overrides))]
+            return vllm_adapter.worker_wrapper(import_ref(entry.role_of), list(entry.overrides), runtime, verdicts)
         except Exception as exc:  # noqa: BLE001 - reported as this entry's failure
             raise EntryFailed(f"cannot build worker override: {exc!r}") from None
-        return make_wrapper(factory, func, marker)
-    try:
-        obj = import_ref(entry.with_ or "")
-    except Exception as exc:  # noqa: BLE001 - any import failure is this entry's failure
-        raise EntryFailed(f"cannot import {entry.with_}: {exc!r}") from None
-    if entry.op == "wrap":
-        if not callable(obj) or not callable(func):
-            raise EntryFailed(f"wrap needs callables ({entry.with_}, {entry.target})")
-        return make_wrapper(obj, func, marker)
+    if isinstance(entry, ScopedRebind):
+        from patchkit.runtime import scoped
+
+        module = sys.modules.get(entry.namespace)
+        missing = scoped.missing_names(vars(module), entry.bind) if module is not None else []
+        if missing:
+            _drift(entry, f"{entry.namespace} no longer names {', '.join(missing)}")
+            raise Skip("skipped", f"{entry.namespace} no longer names {', '.join(missing)}")
+        return scoped.factory(entry.id, entry.namespace, entry.bind, _import(entry.active_if), import_ref)
+    obj = _import(entry.with_ or "") if isinstance(entry, Patch) else None
+    if not callable(obj):
+        raise EntryFailed(f"wrap needs callables ({getattr(entry, 'with_', None)}, {entry.target})")
     return obj
 
 
-def alias_scope(entry: Entry | None, record: Any, packages: tuple[str, ...]) -> tuple[str, ...]:
+def _import(ref: str) -> Any:
+    try:
+        return import_ref(ref)
+    except Exception as exc:  # noqa: BLE001 - any import failure is this entry's failure
+        raise EntryFailed(f"cannot import {ref}: {exc!r}") from None
+
+
+def alias_scope(entry: Change | None, record: Any, packages: tuple[str, ...]) -> tuple[str, ...]:
     """Where aliases of a module-level entry's object may be: its rebind scope, and ``auto``'s."""
     if entry is None or entry.op == "set" or record.slot is None or record.slot.on_class:
         return ()
@@ -229,7 +252,7 @@ def undo(record: Any, scope: tuple[str, ...]) -> None:
         slot.set_raw(record.original)
 
 
-def _drift(entry: Entry, what: str) -> None:
+def _drift(entry: Change, what: str) -> None:
     """Apply the entry's ``on_drift`` policy to a drifted or missing target."""
     if entry.on_drift == "fail":
         raise EntryFailed(what)
@@ -238,7 +261,7 @@ def _drift(entry: Entry, what: str) -> None:
         raise Skip("skipped", what)
 
 
-def _probe(entry: Entry, slot: Slot, func: Any) -> None:
+def _probe(entry: Change, slot: Slot, func: Any) -> None:
     """The entry's feature probes: ``has_attr`` on the target's module, ``has_param`` on the target."""
     module = slot.owner if not slot.on_class else inspect.getmodule(slot.owner)
     for qualname in entry.when.get("has_attr", []):

@@ -16,11 +16,12 @@ from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV3ForCausalLM,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, AfdFfnProxy, AfdLink, _ffn_classes_rebound, proxy_type
+from afd_patches.models.common import AfdCausalLMMixin, AfdFfnProxy, AfdLink, _building
 from afd_patches.models.deepseek_v2 import (
     _FFN_STACKED,
     AFDDeepseekV2ForCausalLM,
     AFDDeepseekV3ForCausalLM,
+    DeepseekV2MLPProxy,
     is_moe_layer,
 )
 
@@ -112,11 +113,9 @@ class _Loopback:
 def test_dense_proxy_is_a_parameter_free_deepseek_mlp() -> None:
     link = AfdLink(2, 4)
     link.connector = _Loopback()  # type: ignore[assignment]
-    namespace = {"__name__": "fake", "DeepseekV2MLP": DeepseekV2MLP}
-    with _ffn_classes_rebound(namespace, {DeepseekV2MLP: proxy_type(DeepseekV2MLP)}, link):
-        proxy = namespace["DeepseekV2MLP"](hidden_size=4, intermediate_size=8, hidden_act="silu",
-                                           quant_config=None, prefix="model.layers.0.mlp")
-    assert namespace["DeepseekV2MLP"] is DeepseekV2MLP
+    with _building(link):  # as while the scoped-rebind entry afd.deepseek-v2.ffn-proxies has it bound
+        proxy = DeepseekV2MLPProxy(hidden_size=4, intermediate_size=8, hidden_act="silu",
+                                   quant_config=None, prefix="model.layers.0.mlp")
     assert isinstance(proxy, DeepseekV2MLP) and isinstance(proxy, AfdFfnProxy) and proxy.layer == 0
     assert list(proxy.parameters()) == [] and list(proxy.children()) == []
     x = torch.ones(3, 4)

@@ -1,4 +1,5 @@
-"""The attention role's FFN proxies and the construction-time rebinding (``afd_patches.models.common``).
+"""The attention role's FFN proxies (``afd_patches.models.common``); the rebinding that makes vLLM build
+them is a manifest entry (``op: scoped-rebind``), tested in tests/patchkit/test_scoped_rebind.py.
 
 Fakes stand in for vLLM's FFN classes and for a model module's globals; the
 real construction on vLLM is ``tests/integration/test_afd_construction.py``.
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from afd_patches.models.common import AfdFfnProxy, AfdLink, _ffn_classes_rebound, proxy_type
+from afd_patches.models.common import AfdFfnProxy, AfdLink, _building, building_attention_model, proxy_type
 
 
 class FakeMlp(nn.Module):
@@ -27,19 +28,15 @@ class FakeMoe(nn.Module):
         self.experts = nn.Linear(2, 2)
 
 
-def _namespace() -> dict[str, object]:
-    return {"__name__": "fake_model", "FakeMlp": FakeMlp, "AliasMoe": FakeMoe, "other": 1}
-
-
-def test_rebound_names_build_parameter_free_proxies_then_are_restored() -> None:
+def test_proxies_are_parameter_free_instances_of_the_class_they_stand_in_for() -> None:
     link = AfdLink(2, 4)
-    namespace = _namespace()
     proxies = {FakeMlp: proxy_type(FakeMlp), FakeMoe: proxy_type(FakeMoe, moe=True)}
-    with _ffn_classes_rebound(namespace, proxies, link):
-        dense = namespace["FakeMlp"](4, prefix="model.layers.0.mlp")
-        moe = namespace["AliasMoe"](config=None, prefix="model.layers.1.mlp")
-        assert isinstance(moe, namespace["AliasMoe"])  # vLLM's own isinstance checks see the proxy type
-    assert namespace == _namespace()
+    assert not building_attention_model()
+    with _building(link):  # what AfdCausalLMMixin does around vLLM's __init__ on the attention role
+        assert building_attention_model("any", arguments=True)
+        dense = proxies[FakeMlp](4, prefix="model.layers.0.mlp")
+        moe = proxies[FakeMoe](config=None, prefix="model.layers.1.mlp")
+    assert not building_attention_model()
     assert isinstance(dense, FakeMlp) and isinstance(moe, FakeMoe)
     assert isinstance(dense, AfdFfnProxy) and (dense.layer, moe.layer) == (0, 1)
     assert list(dense.parameters()) == list(moe.parameters()) == []
@@ -47,29 +44,17 @@ def test_rebound_names_build_parameter_free_proxies_then_are_restored() -> None:
     assert proxy_type(FakeMlp) is proxies[FakeMlp]
 
 
-def test_names_are_restored_when_construction_fails() -> None:
-    namespace = _namespace()
-    with pytest.raises(ValueError, match="boom"), _ffn_classes_rebound(namespace, {FakeMlp: proxy_type(FakeMlp)},
-                                                                        AfdLink()):
+def test_the_building_mark_is_cleared_when_construction_fails() -> None:
+    with pytest.raises(ValueError, match="boom"), _building(AfdLink()):
         raise ValueError("boom")
-    assert namespace == _namespace()
-
-
-def test_a_module_that_no_longer_names_an_ffn_class_is_refused() -> None:
-    namespace = _namespace()
-    del namespace["FakeMlp"]
-    with pytest.raises(RuntimeError, match="fake_model no longer names FakeMlp"), \
-            _ffn_classes_rebound(namespace, {FakeMlp: proxy_type(FakeMlp)}, AfdLink()):
-        pass
+    assert not building_attention_model()
 
 
 def test_a_proxy_outside_an_attention_build_or_without_a_layer_prefix_is_refused() -> None:
     with pytest.raises(RuntimeError, match="only while an AFD attention-role model is built"):
         proxy_type(FakeMlp)(4, prefix="model.layers.0.mlp")
-    namespace = _namespace()
-    with _ffn_classes_rebound(namespace, {FakeMlp: proxy_type(FakeMlp)}, AfdLink()), \
-            pytest.raises(RuntimeError, match="names no decoder layer"):
-        namespace["FakeMlp"](4, prefix="model.shared.mlp")
+    with _building(AfdLink()), pytest.raises(RuntimeError, match="names no decoder layer"):
+        proxy_type(FakeMlp)(4, prefix="model.shared.mlp")
 
 
 def test_cuda_and_cpu_role_workers_leave_model_construction_to_the_model() -> None:

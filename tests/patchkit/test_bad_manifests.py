@@ -28,7 +28,7 @@ import patchkit
 from patchkit import ManifestError, cli, manifest, plan
 from patchkit.manifest.problems import Problem
 from patchkit.plan import Runtime
-from patchkit.runtime.engine import pending as pending_imports
+from patchkit.runtime.hooks import pending as pending_imports
 
 PLUGIN = "victimplugin"
 

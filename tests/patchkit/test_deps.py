@@ -10,22 +10,23 @@ from pathlib import Path
 import pytest
 
 from harness.env import REPO
+from patchkit import manifest
 from patchkit.cli import main
 from patchkit.review.deps import run_deps
 from tests.patchkit.test_retarget import _wheel
 
 MANIFESTS = REPO / "manifests" / "afd"
-RELEASES = ["0.28", "0.29", "0.30", "0.31", "0.32", "0.33"]
+RELEASES = {version: m.file for version, m in manifest.releases(MANIFESTS)}  # from manifests/afd
 
 
 def _tree(release: str) -> str:
-    return "installed" if release == "0.32" else str(_wheel(f"{release}.0"))
+    return "installed" if release == "0.32.0" else str(_wheel(release))
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", sorted(RELEASES))
 def test_every_afd_manifest_declares_every_symbol_afd_uses(release):
-    code, out = run_deps(str(MANIFESTS / f"vllm-{release}.yaml"), _tree(release), fmt="json")
+    code, out = run_deps(RELEASES[release], _tree(release), fmt="json")
     report = json.loads(out)
     assert code == 0, out
     assert report["coverage"] == 1.0 and report["missing"] == [] and report["unused"] == []
@@ -74,9 +75,10 @@ def test_deps_follows_aliases_re_exports_and_inherited_members(afd_copy):
 
 
 def test_deps_reports_a_requirement_no_code_uses(tmp_path):
-    text = (MANIFESTS / "vllm-0.32.yaml").read_text().replace(
-        "\nmodels:\n", "\n  - target: vllm.model_executor.models.utils:extract_layer_index\n    pin: exists\n"
-                       "    why: not used by afd_patches\n\nmodels:\n", 1)
+    shutil.copy(MANIFESTS / "base.yaml", tmp_path / "base.yaml")
+    text = (MANIFESTS / "vllm-0.32.yaml").read_text() + (
+        "requires:\n  - target: vllm.model_executor.models.utils:extract_layer_index\n    pin: exists\n"
+        "    why: not used by afd_patches\n")
     path = tmp_path / "vllm-0.32.yaml"
     path.write_text(text)
     code, out = run_deps(str(path), "installed")

@@ -28,7 +28,7 @@ def test_lane_on_the_033_wheel_gives_the_verdicts_of_patchkit_check(tmp_path):
     got = {e["id"]: (e["verdict"], e["fails"]) for e in results["0.33 wheel"]["entries"]}
     from patchkit import manifest
 
-    committed = manifest.parse(M033.read_text(), str(M033))
+    committed = manifest.load(M033)
     assert got == expected and len(got) == len(committed.entries) + len(committed.requires)
     assert code == check_code == 0
     assert "## 0.33 wheel: vLLM 0.33.0 fits" in report

@@ -28,9 +28,10 @@ import patchkit
 from harness.env import REPO
 from patchkit import fingerprint, manifest
 from patchkit.manifest import select as selection
+from patchkit.manifest.validate import resolved
 from patchkit.plan import Runtime
 from patchkit.runtime import engine
-from patchkit.runtime.engine import pending as pending_imports
+from patchkit.runtime.hooks import pending as pending_imports
 from patchkit.runtime.targets import Slot, unwrap_descriptor
 
 REAL = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
@@ -113,6 +114,30 @@ TREE = {
     "fkafd/raising.py": "def thing(original, *args, **kwargs):\n    raise LookupError('factory raised')\n",
 }
 
+def fk(ref: str) -> str:
+    return "fk" + ref if ref.startswith("vllm.") else ref.replace("afd_patches", "fkafd")
+
+
+def _scoped_tree() -> dict[str, str]:
+    """Fake vLLM model modules and fkafd proxies for the real manifest's scoped-rebind entries."""
+    files = {"fkafd/models/__init__.py": "",
+             "fkafd/models/common.py": "def building_attention_model(*args, **kwargs):\n    return False\n"}
+    for entry in (p for p in resolved(REAL).doc["patches"] if p["op"] == "scoped-rebind"):
+        module, _, qualname = fk(entry["target"]).partition(":")
+        owner = qualname.split(".")[0]
+        names = "".join(f"class {name}:\n    pass\n\n\n" for name in entry["bind"])
+        files[module.replace(".", "/") + ".py"] = (
+            names + f"class {owner}:\n    def __init__(self, *args, **kwargs):\n        self.built = True\n")
+        for ref in entry["bind"].values():
+            plugin_module, _, proxy = fk(ref).partition(":")
+            path = plugin_module.replace(".", "/") + ".py"
+            files[path] = files.get(path, "") + f"{proxy} = object\n"
+    return files
+
+
+SCOPED_MODULES = sorted({fk(p["target"]).partition(":")[0] for p in resolved(REAL).doc["patches"]
+                         if p["op"] == "scoped-rebind"})
+
 EXTRA = [
     {"id": "x.replace-helper", "target": "fkvllm.utils:helper", "op": "replace", "with": "fkafd.extra:helper",
      "fingerprint": True, "why": "replace a module function (rebind auto reaches fkvllm.user)"},
@@ -124,8 +149,7 @@ EXTRA = [
 ]
 
 
-def fk(ref: str) -> str:
-    return "fk" + ref if ref.startswith("vllm.") else ref.replace("afd_patches", "fkafd")
+TREE.update(_scoped_tree())
 
 
 def live_fingerprint(target: str) -> str:
@@ -137,11 +161,16 @@ def live_fingerprint(target: str) -> str:
 
 def plan_doc(with_fingerprints: bool) -> dict[str, Any]:
     """The real 0.32 manifest retargeted onto fkvllm/fkafd, plus EXTRA."""
-    real = yaml.safe_load(REAL.read_text())
+    real = resolved(REAL).doc  # with its base (extends)
     fp = live_fingerprint if with_fingerprints else (lambda _t: "ast1:0000000000000000:0000000000000000")
     patches = []
     for p in real["patches"]:
-        q = {**p, "target": fk(p["target"]), "with": fk(p["with"])}
+        q = {**p, "target": fk(p["target"])}
+        for key in ("with", "active_if", "module"):
+            if key in q:
+                q[key] = fk(q[key])
+        if "bind" in q:
+            q["bind"] = {name: fk(ref) for name, ref in q["bind"].items()}
         if "fingerprint" in q:
             q["fingerprint"] = fp(q["target"])
         patches.append(q)
@@ -173,7 +202,7 @@ def inject(doc: dict[str, Any], entry_id: str, fault: str) -> bool:
         item, ref_key, target_key = doc["workers"], "role_of", "at"
     else:
         item = next(p for p in doc["patches"] if p["id"] == entry_id)
-        ref_key, target_key = "with", "target"
+        ref_key, target_key = ("active_if" if item["op"] == "scoped-rebind" else "with"), "target"
     module, _, qualname = item[target_key].partition(":")
     if fault in ("import-error", "module-error", "missing-attr"):
         if ref_key not in item:
@@ -208,13 +237,15 @@ def tree(sandbox: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, tmp_path
 def import_tree() -> dict[str, Any]:
     return {name: importlib.import_module(name) for name in (
         "fkvllm.engine.arg_utils", "fkvllm.utils", "fkvllm.user", "fkvllm.model_executor.models.registry",
-        "fkvllm.v1.engine.core", "fkvllm.v1.engine.async_llm")}
+        "fkvllm.v1.engine.core", "fkvllm.v1.engine.async_llm", *SCOPED_MODULES)}
 
 
 def owners(mods: dict[str, Any]) -> list[Any]:
+    scoped = [o for name in SCOPED_MODULES for o in (mods[name], *(v for v in vars(mods[name]).values()
+                                                                    if isinstance(v, type)))]
     return [mods["fkvllm.engine.arg_utils"].EngineArgs, mods["fkvllm.engine.arg_utils"], mods["fkvllm.utils"],
             mods["fkvllm.user"], mods["fkvllm.v1.engine.core"].EngineCore,
-            mods["fkvllm.v1.engine.async_llm"].AsyncLLM]
+            mods["fkvllm.v1.engine.async_llm"].AsyncLLM, *scoped]
 
 
 def snapshot(mods: dict[str, Any]) -> list[dict[str, Any]]:
@@ -267,7 +298,7 @@ def test_plan_shape_is_the_real_one() -> None:
     real_ids = [e.id for e in manifest.load(REAL).entries]
     assert set(real_ids) <= set(ORDER) and len(ORDER) == len(real_ids) + len(EXTRA) >= 5
     ops = {e.op for e in manifest.parse(yaml.safe_dump(plan_doc(False)), "p.yaml").entries}
-    assert ops == {"wrap", "replace", "set", "workers"}
+    assert ops == {"wrap", "replace", "set", "workers", "scoped-rebind"}
 
 
 def test_clean_plan_applies_and_reverts(tree: Path) -> None:

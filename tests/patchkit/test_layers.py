@@ -92,7 +92,8 @@ def test_an_upward_import_is_caught(tmp_path):
     assert deps == {"patchkit.cli"} and layer("patchkit.cli") > layer("patchkit.runtime.engine")
 
 
-WARM_PATH = {"patchkit", "patchkit.plan", "patchkit.runtime", "patchkit.runtime.cache", "patchkit.runtime.engine"}
+WARM_PATH = {"patchkit", "patchkit.plan", "patchkit.runtime", "patchkit.runtime.cache", "patchkit.runtime.engine",
+             "patchkit.runtime.hooks"}
 PROBE = """
 import json, sys
 import patchkit

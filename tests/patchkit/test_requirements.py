@@ -22,6 +22,7 @@ from patchkit.review.static import open_tree
 from tests.support.drift_injection import DRIFTS, drifted_copy
 
 M032 = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
+BASE = REPO / "manifests" / "afd" / "base.yaml"  # what vllm-0.32.yaml extends
 FP = "ast1:0123456789abcdef:fedcba9876543210"
 
 
@@ -120,15 +121,22 @@ def test_runtime_verdicts_name_the_drifted_requirement(drifted_trees, kind):
     assert drift.requirement in v.describe() and drift.verdict in v.describe()
 
 
+def _release_with_base(tmp_path: Path, base_text: str) -> Path:
+    """A copy of vllm-0.32.yaml in ``tmp_path`` that extends ``base_text`` (an edited base.yaml)."""
+    (tmp_path / "base.yaml").write_text(base_text)
+    path = tmp_path / M032.name
+    path.write_text(M032.read_text())
+    return path
+
+
 def test_warn_requirement_is_reported_but_does_not_fail(drifted_trees, tmp_path):
-    text = M032.read_text()
+    text = BASE.read_text()
     for target, pin in (("LlamaMLP.__init__", "signature"), ("LlamaDecoderLayer.__init__", "full")):
         # the drift renames a keyword of LlamaMLP and, so, the call site in LlamaDecoderLayer.__init__
         entry = f"  - target: vllm.model_executor.models.llama:{target}\n    pin: {pin}\n"
         assert entry in text
         text = text.replace(entry, entry + "    on_drift: warn\n")
-    path = tmp_path / "warn.yaml"
-    path.write_text(text)
+    path = _release_with_base(tmp_path, text)
     code, out = run_check(path, str(drifted_trees["kwarg"]))
     assert code == 0, out
     assert "[warn] requires vllm.model_executor.models.llama:LlamaMLP.__init__ (pin signature)" in out
@@ -145,10 +153,10 @@ def test_unreadable_tree_fails_every_requirement(tmp_path):
 
 def test_diff_lists_requirement_changes(tmp_path):
     old = manifest.load(M032)
-    text = M032.read_text()
+    text = BASE.read_text()
     start = text.index("  - target: vllm.model_executor.models.utils:PPMissingLayer")
     end = text.index("  - target:", start + 5)
-    new = manifest.parse(text[:start] + text[end:], "new.yaml")
+    new = manifest.load(_release_with_base(tmp_path, text[:start] + text[end:]))
     changes = diff_manifests(old, new)
     assert [(c.section, c.kind, c.subject) for c in changes] == [
         ("requires", "removed", "vllm.model_executor.models.utils:PPMissingLayer")]

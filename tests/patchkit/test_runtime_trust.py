@@ -31,7 +31,7 @@ import patchkit
 from harness.env import REPO
 from patchkit import ManifestError, manifest
 from patchkit.plan import Runtime
-from patchkit.runtime import engine, rebind, targets
+from patchkit.runtime import hooks, rebind, targets
 from tests.support.manifests import header
 
 NOBODY = 65534
@@ -382,7 +382,7 @@ def test_a_callback_that_raises_still_hands_the_importer_its_module(
         seen.append(module.__name__)
         raise ValueError("callback bug")
 
-    assert engine.when_imported("fvictim.deferred", bad) is False
+    assert hooks.when_imported("fvictim.deferred", bad) is False
     import fvictim.deferred
 
     assert fvictim.deferred.later(3) == 3 and seen == ["fvictim.deferred"]
@@ -476,7 +476,7 @@ def test_a_module_another_thread_is_importing_is_patched_not_left_pending(
     outcomes = {r["id"]: r["outcome"] for r in patchkit.applied("fault")}
     assert outcomes == {"slow": "applied"}, outcomes
     assert sys.modules["fvictim.slow"].later(1) == ("loud", 1)
-    assert "fvictim.slow" not in engine.pending()
+    assert "fvictim.slow" not in hooks.pending()
 
 
 # -- input limits -----------------------------------------------------------------------------------

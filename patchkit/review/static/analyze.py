@@ -22,7 +22,7 @@ import ast
 from dataclasses import dataclass, field
 
 from patchkit import fingerprint
-from patchkit.plan import Entry
+from patchkit.plan import Entry, ScopedRebind
 from patchkit.review.static.resolve import Definition, Override, Resolution, Resolver
 from patchkit.review.static.sites import AliasSite, alias_sites
 from patchkit.runtime import rebind
@@ -117,6 +117,12 @@ def analyze(resolver: Resolver, entry: Entry, packages: tuple[str, ...]) -> Targ
     if _decorator_names(definition.node) & {"property", "cached_property"}:
         report.notes.append("a property: at run time the fingerprint of the property object is 'unverifiable'")
 
+    if isinstance(entry, ScopedRebind):
+        absent = [name for name, _ in entry.bind
+                  if resolver.resolve_target(f"{entry.namespace}:{name}").definition is None]
+        if absent:
+            report.verdict = "missing"
+            report.notes.append(f"{entry.namespace} no longer names {', '.join(absent)} (scoped-rebind)")
     parts = entry.qualname.split(".")
     if len(parts) == 1:
         prefixes = rebind.scope(entry.module, entry.rebind, packages)
