@@ -33,21 +33,26 @@ graph: on CUDA it must be in ``splitting_ops`` (see
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from afd_patches.models.common import AfdLink
+
+class Exchanger(Protocol):
+    """What the op calls (``afd_patches.models.common.AfdLink`` is one): no import of it, so the layers stay
+    one-way (``tests/afd/test_layers.py``)."""
+
+    def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor: ...
+
 
 NAMESPACE = "afd"
 OP_NAME = f"{NAMESPACE}::exchange"  # the name vLLM's splitting_ops takes
 
-_LINKS: list[AfdLink] = []
+_LINKS: list[Exchanger] = []
 _LINKS_LOCK = threading.Lock()
 
 
-def register(link: AfdLink) -> int:
+def register(link: Exchanger) -> int:
     """Make ``link`` reachable from the op; its index (stable for the process's life)."""
     with _LINKS_LOCK:
         _LINKS.append(link)
