@@ -16,6 +16,7 @@ from pathlib import Path
 _PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))
 __version__ = "0.1.0"  # the distribution's version (pyproject.toml)
 CONFIG_KEY = "afd"  # additional_config[CONFIG_KEY] present <=> AFD is on
+PACKAGES = ("afd_patches",)  # the only code afd's manifests may name (patchkit refuses a plan that names more)
 
 
 class AfdConfigError(ValueError):
@@ -53,6 +54,6 @@ def register_afd() -> None:
     try:
         import patchkit
 
-        patchkit.activate("afd", manifest_dir(), plugin_version=__version__)
+        patchkit.activate("afd", manifest_dir(), plugin_version=__version__, packages=PACKAGES)
     except Exception:
         logging.getLogger("afd_patches").exception("afd-plugin: the patch plan could not be applied")

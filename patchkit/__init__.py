@@ -89,11 +89,13 @@ class Status:
 
 
 def activate(plugin: str, manifest_dir: str | Path, runtime: Runtime | None = None,
-             plugin_version: str = "") -> Status:
+             plugin_version: str = "", packages: tuple[str, ...] = ()) -> Status:
     """Apply ``plugin``'s manifest for the running vLLM (idempotent, never raises PatchkitError).
 
     ``runtime`` defaults to the running vLLM; tests pass their own.
     ``plugin_version`` goes into the plan cache's key (pass the plugin's version).
+    ``packages``: the plugin's own code (e.g. ``("afd_patches",)``); a plan, cached or not, that names
+    anything outside it is not applied. Without it the manifest's ``packages`` list is the bound.
     A second call returns the first call's status, unless that run failed, in
     which case it tries again.
     """
@@ -106,10 +108,16 @@ def activate(plugin: str, manifest_dir: str | Path, runtime: Runtime | None = No
 
         runtime = runtime or Runtime.detect()
         try:
-            compiled = cache.compiled(os.fspath(manifest_dir), runtime, plugin_version, _compile_plan)
+            compiled = cache.compiled(os.fspath(manifest_dir), runtime, plugin_version, _compile_plan,
+                                      tuple(packages))
         except ManifestError as exc:
             _logger.error("patchkit: %s: invalid manifest, nothing applied:\n%s", plugin, exc)
             return _remember(Status(plugin, False, f"invalid manifest:\n{exc}", ""))
+        stray = cache.outside(compiled, tuple(packages))
+        if stray:
+            problem = f"the manifest names code outside the packages {plugin} declared: {', '.join(stray[:5])}"
+            _logger.error("patchkit: %s: %s; nothing applied", plugin, problem)
+            return _remember(Status(plugin, False, problem, compiled.supported))
         if compiled.manifest is None:
             _logger.warning("patchkit: %s: %s; nothing applied", plugin, compiled.error)
             return _remember(Status(plugin, False, compiled.error, compiled.supported))

@@ -25,7 +25,8 @@ What. Data only, checked again when read; nothing read from here is executed.
   version, the vLLM version and commit, and Python. On read it must have the
   plan's exact shape, name one of the manifest files read for the key with that
   file's content hash, and every callable it names must lie inside the
-  manifest's declared packages (the rule ``patchkit.manifest`` enforces);
+  packages the plugin declared when it called ``activate`` (not a list read
+  from the cache file itself);
   anything else is a miss and the plan is compiled again.
 - fingerprints (``fingerprints.json``) are keyed by the SHA-256 of the source
   file's content plus the definition's first line and qualified name, so an
@@ -213,19 +214,21 @@ def _load_json(name: str) -> Any:
 
 
 def compiled(directory: str, runtime: Runtime, plugin_version: str,
-             compile_plan: Callable[[list[str], Runtime], Compiled]) -> Compiled:
+             compile_plan: Callable[[list[str], Runtime], Compiled], packages: tuple[str, ...] = ()) -> Compiled:
     """``compile_plan(files, runtime)`` for the manifests in ``directory``, read from the cache when it fits.
 
-    The caller passes ``compile_plan`` (``patchkit.manifest.select.compile_plan``) so that the runtime
-    layer never imports the manifest layer; it runs only on a miss."""
+    ``packages``: the packages the plugin itself declares (``activate``); a cached plan must stay inside
+    them, whatever list it carries. The caller passes ``compile_plan``
+    (``patchkit.manifest.select.compile_plan``) so that the runtime layer never imports the manifest layer;
+    it runs only on a miss."""
     files = manifest_files(directory)
     digests = {p: _sha256_file(p) for p in files}
-    h = hashlib.sha256(f"{FORMAT}|{__version__}|{plugin_version}".encode())
+    h = hashlib.sha256(f"{FORMAT}|{__version__}|{plugin_version}|{','.join(sorted(packages))}".encode())
     for p in [*files, schema_path("manifest.schema.json")]:
         h.update(f"{p}|{digests.get(p) or _sha256_file(p)}\n".encode())
     h.update(f"{runtime.vllm_version}|{runtime.vllm_commit}|{_python_tag()}".encode())
     name = f"plan-{h.hexdigest()[:32]}.json"
-    cached = _plan_from_json(_load_json(name), digests)
+    cached = _plan_from_json(_load_json(name), digests, packages)
     if cached is not None:
         return cached
     result = compile_plan(files, runtime)
@@ -233,8 +236,21 @@ def compiled(directory: str, runtime: Runtime, plugin_version: str,
     return result
 
 
-def _plan_from_json(data: Any, digests: dict[str, str]) -> Compiled | None:
-    """The cached plan if it has the right shape and agrees with the files on disk, else None."""
+def outside(plan: Compiled, packages: tuple[str, ...]) -> list[str]:
+    """The callables ``plan`` names outside ``packages`` (the plugin's own declaration), else outside the
+    packages its manifest lists; a manifest that lists a package the plugin did not declare counts too."""
+    manifest = plan.manifest
+    if manifest is None:
+        return []
+    allowed = set(packages or manifest.packages)
+    refs = [*(r for e in manifest.entries for r in e.refs()), *(m.class_ref for m in manifest.models)]
+    bad = [f"package {p}" for p in manifest.packages if p not in allowed]
+    return bad + [str(r) for r in refs if not isinstance(r, str) or r.partition(":")[0].split(".")[0] not in allowed]
+
+
+def _plan_from_json(data: Any, digests: dict[str, str], packages: tuple[str, ...]) -> Compiled | None:
+    """The cached plan if it has the right shape, agrees with the files on disk and names nothing outside
+    ``packages`` (see ``outside``), else None."""
     from patchkit.plan import Compiled
 
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -249,11 +265,7 @@ def _plan_from_json(data: Any, digests: dict[str, str]) -> Compiled | None:
     on_disk = {os.path.normpath(f): sha for f, sha in digests.items()}
     if not manifest.chain or any(on_disk.get(os.path.normpath(f)) != sha for f, sha in manifest.chain):
         return None  # a file of the extends chain changed (or is not in the folder): compile again
-    packages = set(manifest.packages)
-    refs = [*(r for e in manifest.entries for r in e.refs()), *(m.class_ref for m in manifest.models)]
-    if not all(isinstance(r, str) and r.partition(":")[0].split(".")[0] in packages for r in refs):
-        return None
-    return plan
+    return None if outside(plan, packages) else plan
 
 
 class Fingerprints:

@@ -77,7 +77,8 @@ import json, sys, time
 import patchkit
 from patchkit.plan import Runtime
 t0 = time.perf_counter()
-status = patchkit.activate("trust", sys.argv[1], Runtime("0.32.0", None, _platform="cpu"))
+status = patchkit.activate("trust", sys.argv[1], Runtime("0.32.0", None, _platform="cpu"),
+                           packages=tuple(p for p in sys.argv[2].split(",") if p))
 import tvictim.core
 seconds = time.perf_counter() - t0
 print("RESULT " + json.dumps({"active": status.active, "problem": status.problem, "seconds": seconds,
@@ -113,12 +114,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"base": base, "src": src, "folder": folder, "genuine": genuine, "names": names}
 
 
-def run_child(src: Path, folder: Path, cache: Path, marker: Path) -> dict[str, Any]:
+def run_child(src: Path, folder: Path, cache: Path, marker: Path, packages: str = "tplug") -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(REPO)]), "PATCHKIT_CACHE_DIR": str(cache),
            "PAYLOAD_MARKER": str(marker), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PATCHKIT_DISABLE", None)
-    out = subprocess.run([sys.executable, "-c", CHILD, str(folder)], env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(folder), packages], env=env, capture_output=True,
+                         text=True, timeout=60)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -187,6 +188,24 @@ def test_planted_cache_files_are_misses(world: dict[str, Any], tmp_path: Path, k
         assert result["records"][0]["fingerprint"] == "match"
         assert not marker.exists(), f"{kind} {name}: planted bytes ran"
         assert result["seconds"] < 5, result["seconds"]  # benchmarks/cache_attacks.py measures the figure
+
+
+def test_a_private_planted_plan_that_adds_a_package_is_refused(world: dict[str, Any], tmp_path: Path) -> None:
+    """A plan file that passes every file check (this user's, 0600, one link) but adds a package to its own
+    list and names code there: judged against the packages the plugin declared at ``activate``, not the
+    list in the file, so it is a miss, compiled again, and the planted code never runs."""
+    name = next(n for n in world["names"] if n.startswith("plan-"))
+    cache, marker = tmp_path / "cache", tmp_path / "marker"
+    cache.mkdir(mode=0o700)
+    planted = poisoned(world["genuine"], name)
+    assert b'"tpayload:boom"' in planted and b'"tpayload"' in planted  # it names the payload, and declares it
+    (cache / name).write_bytes(planted)
+    (cache / name).chmod(0o600)
+    result = run_child(world["src"], world["folder"], cache, marker)
+    assert result["active"] and result["run"] == ["loud", 2], result
+    assert not marker.exists(), "the planted plan's code ran"
+    planted_again = json.loads((cache / name).read_text())  # the genuine plan replaced it
+    assert "tpayload" not in planted_again["plan"]["manifest"]["packages"]
 
 
 @pytest.mark.parametrize("kind", ["foreign-owner", "world-writable", "symlink"])
