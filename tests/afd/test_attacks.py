@@ -372,3 +372,25 @@ def test_a_reset_in_the_middle_of_an_exchange_names_the_cause_on_both_sides_in_b
     assert first["type"] == "LinkClosed" and "lost attention rank 0" in first["message"], first
     assert got["attention0"]["error"] is None and got["attention0"]["mismatches"] == 0, got
     assert second["calls"] == 4 and second["error"] == "ConnectorClosed", second
+
+
+def test_an_ffn_rank_behind_a_proxy_is_reached_at_its_advertised_address() -> None:
+    """2A2F on tcp: FFN rank 1 binds its data port and advertises a proxy's address instead (NAT, a Kubernetes
+    Service); its attention rank learns that address inside its authenticated verdict, opens its data session
+    through the proxy, and is served exactly."""
+    from tests.afd.test_connector import ffn_worker, make_config
+
+    port, data_port = free_port(), free_port()
+    queue = _CTX.Queue()
+    with FaultProxy(("127.0.0.9", 0), ("127.0.0.1", data_port)) as proxy:
+        advertise = f"{proxy.address[0]}:{proxy.address[1]}"
+        extra = {1: {"data_port": data_port, "advertise": advertise}}
+        procs = [start(ffn_worker, make_config("ffn", j, port, a=2, f=2, **extra.get(j, {})), queue) for j in range(2)]
+        procs += [start(attention_worker, make_config("attention", r, port, a=2, f=2), [2, 1], 2, queue)
+                  for r in range(2)]
+        got = collect(queue, {"ffn0", "ffn1", "attention0", "attention1"}, 60)
+        _join_all(procs, 10)
+        through = dict(proxy.bytes_through)
+    for r in range(2):
+        assert got[f"attention{r}"] == {"error": None, "mismatches": 0, "sent": 4, "received": 4}, got
+    assert through["up"] > 0 and through["down"] > 0, through  # attention rank 1's traffic went through it
