@@ -430,7 +430,7 @@ def open_session(host: str, port: int, own: Hello, token: bytes | None, deadline
 
 
 class _Retry(Exception):
-    """The connection ended before the host's nonce: try a new one."""
+    """The attempt ended before a session opened (closed, evicted, refused as busy): try a new connection."""
 
 
 def _client_steps(conn: socket.socket, address: str, own: Hello, token: bytes | None, deadline: float,
