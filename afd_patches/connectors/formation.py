@@ -66,10 +66,12 @@ class Member(Protocol):
 
     def me(self) -> str: ...
 
+
 WILDCARDS = ("0.0.0.0", "::")
 
 
 def form(conn: Member, deadline: float, wait_s: float) -> tuple[Transport, Any]:
+    """The connected transport and, on gloo/NCCL, the ``MacStore`` for the heartbeats (see the module)."""
     cfg = conn.config
     a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
     if conn.global_rank == 0:
