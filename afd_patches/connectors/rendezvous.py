@@ -170,10 +170,10 @@ def join(host: str, port: int, own: Hello, deadline: float, timeout_s: float, to
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     session, host_hello = open_session(host, port, own, token, deadline, timeout_s, cancelled)
     try:
-        problem = differences(own, host_hello) or device_clash(own, host_hello)
+        diff = differences(own, host_hello)
+        problem = f"{own.who} and {host_hello.who} disagree on {diff}" if diff else device_clash(own, host_hello)
         if problem:
-            raise ConnectorMismatch(f"AFD rendezvous at {address} failed: " + (
-                f"{own.who} and {host_hello.who} disagree on {problem}" if differences(own, host_hello) else problem))
+            raise ConnectorMismatch(f"AFD rendezvous at {address} failed: {problem}")
         while True:
             if cancelled():
                 raise ConnectorError(f"AFD rendezvous for {own.who}: cancelled (engine shutting down)")
