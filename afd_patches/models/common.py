@@ -283,13 +283,14 @@ def copy_expert_counts(model: nn.Module, blocks: list[nn.Module], num_shared_exp
 
 def adopt_moe_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
     """FFN role of a vLLM model whose ``__init__`` keeps its MoE blocks in ``moe_mlp_layers`` and sets
-    ``num_expert_groups`` from ``config.n_group`` (DeepSeek-V2/V3, GLM-4-MoE): the same, from ``blocks``;
-    the caller then runs vLLM's own ``self.extract_moe_parameters``. Fused shared experts (ROCm AITER),
+    ``num_expert_groups`` from ``config.n_group`` (DeepSeek-V2/V3, GLM-4-MoE): the same, from ``blocks``,
+    then vLLM's own ``model.extract_moe_parameters`` on the last block. Fused shared experts (ROCm AITER),
     which move shared-expert weights into the routed experts, are refused."""
     if any(getattr(b, "is_fused_shared_expert_enabled", False) for b in blocks):
         raise NotImplementedError(f"AFD {type(model).__name__} FFN role: fused shared experts are not supported")
     model.moe_mlp_layers = blocks
     model.num_expert_groups = getattr(model.config, "n_group", 1)
+    model.extract_moe_parameters(blocks[-1] if blocks else None)
 
 
 class AfdCausalLMMixin(nn.Module):
@@ -315,7 +316,14 @@ class AfdCausalLMMixin(nn.Module):
     # ``share_expert``): the FFN role computes them with it (``afd_ffn_of``), their proxies return zeros.
     afd_folded_ffn_attrs: ClassVar[tuple[str, ...]] = ()
     afd_needs_forward_context: ClassVar[bool] = False  # e.g. FusedMoE looks itself up in it
-    _FFN_WEIGHT: ClassVar[re.Pattern[str]] = re.compile(r"(^|\.)layers\.\d+\.mlp\.")
+    _FFN_WEIGHT: ClassVar[re.Pattern[str]] = re.compile(r"(^|\.)layers\.\d+\.mlp\.")  # from afd_ffn_attr
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that names another ``afd_ffn_attr`` gets the matching ``_FFN_WEIGHT`` unless it sets
+        its own (a layer with several FFN modules, a pattern with a group)."""
+        super().__init_subclass__(**kwargs)
+        if "afd_ffn_attr" in vars(cls) and "_FFN_WEIGHT" not in vars(cls):
+            cls._FFN_WEIGHT = re.compile(rf"(^|\.)layers\.\d+\.{re.escape(cls.afd_ffn_attr)}\.")
 
     afd_role: str
     _afd_link: AfdLink

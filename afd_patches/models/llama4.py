@@ -73,7 +73,6 @@ class AFDLlama4ForCausalLM(AfdCausalLMMixin, Llama4ForCausalLM):
     afd_moe_classes = (Llama4MoE,)
     afd_ffn_attr = "feed_forward"
     afd_needs_forward_context = True
-    _FFN_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.feed_forward\.")
 
     def afd_describe_experts(self, blocks: list[nn.Module]) -> None:
         """The expert counts ``Llama4ForCausalLM.set_moe_parameters`` sets, from the last MoE block."""

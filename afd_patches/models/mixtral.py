@@ -15,7 +15,6 @@ expert parallelism are not supported.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from torch import nn
@@ -34,7 +33,6 @@ class AFDMixtralForCausalLM(AfdCausalLMMixin, MixtralForCausalLM):
     afd_moe_classes = (MixtralMoE,)
     afd_ffn_attr = "block_sparse_moe"
     afd_needs_forward_context = True
-    _FFN_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.block_sparse_moe\.")
 
     def afd_describe_experts(self, blocks: list[nn.Module]) -> None:
         """The expert counts ``MixtralForCausalLM.__init__`` sets, from the first MoE block."""
