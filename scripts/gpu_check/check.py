@@ -389,16 +389,23 @@ def check_same_gpu(opts: dict[str, Any]) -> None:
                 "exit codes, if NCCL's watchdog ended a process first)")
 
 
+def report_per_size(pair: Pair, opts: dict[str, Any], message: str, check: str) -> bool:
+    """One ``check`` line per token count from the attention side's ``message`` results (bitwise equal to
+    the local MLP); False, after reporting both processes' state, when one does not come."""
+    for tokens in opts["tokens"]:
+        res = pair.wait_for(message, 240)
+        if res is None:
+            report(check, False, tokens=tokens, attention=pair.wait_for("attention", 1), ffn=pair.wait_for("ffn", 1))
+            return False
+        report(check, res["bitwise_equal"], **res)
+    return True
+
+
 def check_exchange(opts: dict[str, Any]) -> None:
     pair = Pair({**opts, "plan": "sizes"})
     try:
-        for tokens in opts["tokens"]:
-            res = pair.wait_for("size", 240)
-            if res is None:
-                report("exchange", False, tokens=tokens, attention=pair.wait_for("attention", 1),
-                       ffn=pair.wait_for("ffn", 1))
-                return
-            report("exchange", res["bitwise_equal"], **res)
+        if not report_per_size(pair, opts, "size", "exchange"):
+            return
         idle = pair.wait_for("attention-idle", 30)
         time.sleep(1.0)  # the serve thread is now blocked waiting for the idle attention rank
         pair.to_ffn.put("close")
@@ -415,13 +422,8 @@ def check_exchange(opts: dict[str, Any]) -> None:
 def check_piecewise(opts: dict[str, Any]) -> None:
     pair = Pair({**opts, "plan": "piecewise"})
     try:
-        for tokens in opts["tokens"]:
-            res = pair.wait_for("piecewise", 240)
-            if res is None:
-                report("piecewise", False, tokens=tokens, attention=pair.wait_for("attention", 1),
-                       ffn=pair.wait_for("ffn", 1))
-                return
-            report("piecewise", res["bitwise_equal"], **res)
+        if not report_per_size(pair, opts, "piecewise", "piecewise"):
+            return
         pair.wait_for("attention-idle", 30)
         pair.to_attn.put("done")
     finally:
