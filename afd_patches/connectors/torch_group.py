@@ -183,8 +183,7 @@ class TorchGroupTransport(Transport):
     def send(self, peer: int, words: list[int], tensor: torch.Tensor | None) -> Handle:
         nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
         inline = 0 < nbytes <= self.inline_bytes
-        words = [*words[:7], int(inline), *words[8:]]
-        header = torch.tensor(words, dtype=torch.int64, device=self.device).view(torch.uint8)
+        header = wire.encode([*words[:7], int(inline), *words[8:]], self.device).view(torch.uint8)
         try:
             if inline:
                 assert tensor is not None

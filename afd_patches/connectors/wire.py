@@ -78,10 +78,10 @@ def pack(kind: int, layer: int = -1, step: int = -1, tensor: torch.Tensor | None
     return HEADER.pack(*words(kind, layer, step, tensor, microbatch=microbatch))
 
 
-def encode(kind: int, layer: int, step: int, tensor: torch.Tensor | None, device: torch.device,
-           inline: bool = False, microbatch: int = 0) -> torch.Tensor:
-    """The header as an ``int64`` tensor on ``device`` (the form gloo and NCCL send)."""
-    return torch.tensor(words(kind, layer, step, tensor, inline, microbatch), dtype=torch.int64, device=device)
+def encode(header_words: list[int], device: torch.device) -> torch.Tensor:
+    """The header ``header_words`` (``words``) as an ``int64`` tensor on ``device`` (the form gloo and NCCL
+    send)."""
+    return torch.tensor(header_words, dtype=torch.int64, device=device)
 
 
 def decode(message: torch.Tensor | bytes | bytearray | memoryview) -> Header:

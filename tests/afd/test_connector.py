@@ -256,18 +256,19 @@ def test_topology_validate(a: int, f: int, words: str) -> None:
 
 def test_header_round_trip() -> None:
     t = torch.zeros(0, HIDDEN, dtype=torch.bfloat16)
-    h = wire.encode(wire.KIND_DATA, 7, 123456, t, torch.device("cpu"), microbatch=2)
+    h = wire.encode(wire.words(wire.KIND_DATA, 7, 123456, t, microbatch=2), torch.device("cpu"))
     assert h.shape == (wire.HEADER_LEN,) and h.dtype == torch.int64
     assert wire.decode(h) == (wire.KIND_DATA, 7, 123456, 2, (0, HIDDEN), "bfloat16", False)
     assert wire.decode(wire.pack(wire.KIND_DATA, 7, 123456, t, 2)) == wire.decode(h)
-    message = torch.cat([wire.encode(wire.KIND_DATA, 1, 2, t, torch.device("cpu"), True).view(torch.uint8),
+    message = torch.cat([wire.encode(wire.words(wire.KIND_DATA, 1, 2, t, inline=True), torch.device("cpu")).view(
+                            torch.uint8),
                          torch.ones(9, dtype=torch.uint8)])
     assert wire.decode(message) == (wire.KIND_DATA, 1, 2, 0, (0, HIDDEN), "bfloat16", True)
     assert wire.decode(wire.pack(wire.KIND_CLOSE)).kind == wire.KIND_CLOSE
     with pytest.raises(wire.BadMessage, match="malformed"):
         wire.decode(torch.zeros(wire.HEADER_LEN, dtype=torch.int64))
     with pytest.raises(ConnectorError, match="dtype"):
-        wire.encode(wire.KIND_DATA, 0, 0, torch.zeros(2, dtype=torch.complex64), torch.device("cpu"))
+        wire.words(wire.KIND_DATA, 0, 0, torch.zeros(2, dtype=torch.complex64))
 
 
 def test_wrong_side_and_uninitialised() -> None:
