@@ -283,14 +283,14 @@ def copy_expert_counts(model: nn.Module, blocks: list[nn.Module], num_shared_exp
 
 def adopt_moe_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
     """FFN role of a vLLM model whose ``__init__`` keeps its MoE blocks in ``moe_mlp_layers`` and sets
-    ``num_expert_groups`` from ``config.n_group`` (DeepSeek-V2/V3, GLM-4-MoE): the same, from ``blocks``,
-    then vLLM's own ``model.extract_moe_parameters`` on the last block. Fused shared experts (ROCm AITER),
-    which move shared-expert weights into the routed experts, are refused."""
+    ``num_expert_groups`` from ``config.n_group`` (DeepSeek-V2/V3, GLM-4-MoE): the same, from ``blocks``;
+    the caller then runs vLLM's own ``self.extract_moe_parameters`` (in its own class, so that ``patchkit
+    deps`` sees which vLLM method it calls). Fused shared experts (ROCm AITER), which move shared-expert
+    weights into the routed experts, are refused."""
     if any(getattr(b, "is_fused_shared_expert_enabled", False) for b in blocks):
         raise NotImplementedError(f"AFD {type(model).__name__} FFN role: fused shared experts are not supported")
     model.moe_mlp_layers = blocks
     model.num_expert_groups = getattr(model.config, "n_group", 1)
-    model.extract_moe_parameters(blocks[-1] if blocks else None)
 
 
 class AfdCausalLMMixin(nn.Module):

@@ -90,6 +90,7 @@ class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
         """What ``DeepseekV2ForCausalLM.__init__`` sets: ``adopt_moe_blocks``, then vLLM's own
         ``extract_moe_parameters`` on the last MoE block."""
         adopt_moe_blocks(self, blocks)
+        self.extract_moe_parameters(blocks[-1] if blocks else None)
 
     # ---- attention role -------------------------------------------------
     def afd_check_attention_layers(self) -> None:

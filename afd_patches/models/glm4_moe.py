@@ -61,6 +61,7 @@ class AFDGlm4MoeForCausalLM(AfdCausalLMMixin, Glm4MoeForCausalLM):
         """What ``Glm4MoeForCausalLM.__init__`` sets: ``adopt_moe_blocks``, then vLLM's own
         ``extract_moe_parameters`` on the last MoE block."""
         adopt_moe_blocks(self, blocks)
+        self.extract_moe_parameters(blocks[-1] if blocks else None)
 
     def afd_build_ffn(self, vllm_config: Any, layer: int, prefix: str) -> nn.Module:
         config = vllm_config.model_config.hf_config
