@@ -113,6 +113,11 @@ def activate(plugin: str, manifest_dir: str | Path, runtime: Runtime | None = No
         except ManifestError as exc:
             _logger.error("patchkit: %s: invalid manifest, nothing applied:\n%s", plugin, exc)
             return _remember(Status(plugin, False, f"invalid manifest:\n{exc}", ""))
+        stray = cache.outside(compiled, tuple(packages))
+        if stray:
+            problem = f"the manifest names code outside the packages {plugin} declared: {', '.join(stray[:5])}"
+            _logger.error("patchkit: %s: %s; nothing applied", plugin, problem)
+            return _remember(Status(plugin, False, problem, compiled.supported))
         if compiled.manifest is None:
             _logger.warning("patchkit: %s: %s; nothing applied", plugin, compiled.error)
             return _remember(Status(plugin, False, compiled.error, compiled.supported))

@@ -218,9 +218,9 @@ def compiled(directory: str, runtime: Runtime, plugin_version: str,
     """``compile_plan(files, runtime)`` for the manifests in ``directory``, read from the cache when it fits.
 
     ``packages``: the packages the plugin itself declares (``activate``); a cached plan must stay inside
-    them, whatever list it carries, and a compiled one that does not becomes "no manifest" with the
-    reason. The caller passes ``compile_plan`` (``patchkit.manifest.select.compile_plan``) so that the
-    runtime layer never imports the manifest layer; it runs only on a miss."""
+    them, whatever list it carries. The caller passes ``compile_plan``
+    (``patchkit.manifest.select.compile_plan``) so that the runtime layer never imports the manifest layer;
+    it runs only on a miss."""
     files = manifest_files(directory)
     digests = {p: _sha256_file(p) for p in files}
     h = hashlib.sha256(f"{FORMAT}|{__version__}|{plugin_version}|{','.join(sorted(packages))}".encode())
@@ -232,12 +232,6 @@ def compiled(directory: str, runtime: Runtime, plugin_version: str,
     if cached is not None:
         return cached
     result = compile_plan(files, runtime)
-    stray = outside(result, packages)
-    if stray:  # the plugin's manifest itself names other code: select nothing (cached like any verdict)
-        from patchkit.plan import Compiled
-
-        result = Compiled(None, [], {}, result.supported, "the manifest names code outside the packages the "
-                          f"plugin declared: {', '.join(stray[:5])}", result.digest)
     write_private(name, json.dumps({"format": FORMAT, "plan": result.to_json()}).encode())
     return result
 

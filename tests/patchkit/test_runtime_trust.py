@@ -554,12 +554,3 @@ def test_versions_in_code_match_the_distribution() -> None:
 
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert patchkit.__version__ == afd_patches.__version__ == version
-
-
-def test_a_manifest_naming_code_outside_the_plugins_packages_applies_nothing(world: dict[str, Any],
-                                                                           tmp_path: Path) -> None:
-    """The plugin declares only ``tplug`` at ``activate`` while its manifest names ``tplug`` code: told that
-    it may use another package, nothing is applied and the status names the stray reference."""
-    result = run_child(world["src"], world["folder"], tmp_path / "cache", tmp_path / "marker", packages="tother")
-    assert not result["active"] and "outside the packages the plugin declared" in result["problem"], result
-    assert "tplug" in result["problem"] and result["run"] == 2, result  # Engine().run(1) unpatched
