@@ -28,7 +28,11 @@ Metrics (labels ``role``, ``rank``)
     ``vllm:afd_bytes_sent`` / ``vllm:afd_bytes_received`` (tensor payloads),
     ``vllm:afd_idle_steps`` (zero-token steps), ``vllm:afd_handshakes_accepted``
     / ``vllm:afd_handshakes_refused`` (rendezvous connections),
-    ``vllm:afd_group_reformations`` (groups formed after the first).
+    ``vllm:afd_group_reformations`` (groups formed after the first), and on the
+    attention role ``vllm:afd_steps``, ``vllm:afd_micro_batches`` (their ratio is
+    the mean micro-batch count per step), ``vllm:afd_exchange_span_seconds`` and
+    ``vllm:afd_exchange_wait_seconds``, with the gauge ``vllm:afd_ffn_hidden_fraction``
+    (``1 - wait / span``: how much of the FFN's round trips overlapped attention).
     Counters get Prometheus' ``_total`` suffix on the wire. One gauge,
     ``vllm:afd_group_up`` (``set_group_up``): 1 while this rank's group is formed,
     0 while it waits for one (attention: from the loss of its FFN until the group
@@ -69,7 +73,17 @@ COUNTERS = {
     "handshakes_accepted": "Rendezvous handshakes that authenticated and joined a group.",
     "handshakes_refused": "Rendezvous connections refused (malformed, unauthenticated, slow, duplicate).",
     "group_reformations": "AFD groups formed after the first (attention engines restarted).",
+    "steps": "Forward steps of the attention model (attention role).",
+    "micro_batches": "Micro-batches those steps ran in (a step not split counts 1); divided by steps: the mean "
+                     "micro-batch count per step.",
+    "exchange_span_seconds": "Attention role: summed time from sending a layer's hidden states to having the "
+                             "FFN's answer (FFN compute, transfer, and whatever ran meanwhile).",
+    "exchange_wait_seconds": "Attention role: the part of exchange_span_seconds spent blocked waiting for the "
+                             "answer (not hidden behind another micro-batch's attention).",
 }
+HIDDEN = "ffn_hidden_fraction"
+HIDDEN_DOC = ("Attention role: 1 - exchange_wait_seconds / exchange_span_seconds, the fraction of the exchange "
+              "round trips (FFN compute and transfer) that overlapped attention compute of another micro-batch.")
 
 
 class AfdMetrics:
@@ -95,6 +109,14 @@ class AfdMetrics:
 
     def snapshot(self) -> dict[str, Any]:
         return {"counts": dict(self.counts), "buckets": list(self.buckets), "latency_sum": self.latency_sum}
+
+    def exchanged(self, sent_at: float, waited_at: float, answered_at: float) -> None:
+        """One attention-side exchange: sent at ``sent_at``, waited for from ``waited_at``, answered at
+        ``answered_at`` (``time.perf_counter()`` values)."""
+        self.counts["exchange_span_seconds"] += answered_at - sent_at
+        self.counts["exchange_wait_seconds"] += answered_at - waited_at
+        if not self.changed.is_set():
+            self.changed.set()
 
 
 METRICS = AfdMetrics()
@@ -226,3 +248,9 @@ class SnapshotCollector:
             if value in (0, 1) and not isinstance(value, bool):
                 gauge.add_metric([str(snap.get("role")), str(snap.get("rank"))], value)
         yield gauge
+        hidden = GaugeMetricFamily(f"vllm:afd_{HIDDEN}", HIDDEN_DOC, labels=labels)
+        for snap in snaps:
+            span, wait = snap["counts"].get("exchange_span_seconds", 0), snap["counts"].get("exchange_wait_seconds", 0)
+            if snap.get("role") == "attention" and span > 0:
+                hidden.add_metric([str(snap.get("role")), str(snap.get("rank"))], max(0.0, 1.0 - wait / span))
+        yield hidden

@@ -6,7 +6,7 @@ MLP output back (``recv_ffn_output``). An FFN rank receives from every attention
 rank it serves (``recv_attn_output``), runs the FFN once on all of them, and
 sends each rank its slice back (``send_ffn_output``).
 
-Every message carries ``Meta`` (layer, step, shape, dtype), so a mismatch
+Every message carries ``Meta`` (layer, step, shape, dtype, micro-batch), so a mismatch
 between the roles is detected instead of silently mixing tensors. Every receive
 waits at most ``timeout_s`` and then raises ``ConnectorTimeout`` naming the
 peer; a peer that closed raises ``ConnectorClosed``.
@@ -56,6 +56,7 @@ class Meta:
     step: int
     shape: tuple[int, ...]
     dtype: str
+    microbatch: int = 0
 
 
 class Connector(ABC):
@@ -81,10 +82,10 @@ class Connector(ABC):
 
     # attention side
     @abstractmethod
-    def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int) -> None: ...
+    def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int, microbatch: int = 0) -> None: ...
 
     @abstractmethod
-    def recv_ffn_output(self, layer: int, step: int) -> torch.Tensor: ...
+    def recv_ffn_output(self, layer: int, step: int, microbatch: int = 0) -> torch.Tensor: ...
 
     # FFN side: one tensor per served attention rank, in rank order
     @abstractmethod

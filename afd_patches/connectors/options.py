@@ -12,7 +12,10 @@ Keys
     header message. ``schedule``: ``batched`` or ``pingpong`` (gloo or tcp). ``data_port``: the port an FFN
     rank other than 0 listens on for its attention ranks (default: any free one). ``advertise``:
     ``"host:port"`` that FFN rank publishes instead of the address it binds (behind NAT, a proxy, a
-    Kubernetes Service).
+    Kubernetes Service). ``micro_batches``: 1 (default) to ``MAX_MICRO_BATCHES``; an attention rank splits
+    each step of at least ``micro_batch_min_tokens`` tokens (default ``DEFAULT_MICRO_BATCH_MIN_TOKENS``, at
+    least ``micro_batches``) into that many micro-batches whose attention and FFN overlap
+    (``afd_patches.models.microbatch``). Both roles must agree on it (the rendezvous compares it).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ HOST_BACKENDS = ("gloo", "tcp")  # messages in host memory; these can serve ping
 SCHEDULES = ("batched", "pingpong")  # the first is the default
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # idle is not a failure: an idle server waits as long as a deploy takes
 DEFAULT_INLINE_BYTES = 64 * 1024
+MAX_MICRO_BATCHES = 4
+DEFAULT_MICRO_BATCH_MIN_TOKENS = 8  # docs/benchmarks.md, "Micro-batches": below it a split does not pay
 
 
 class OptionError(ValueError):
@@ -41,6 +46,8 @@ class Options:
     schedule: str = SCHEDULES[0]
     data_port: int = 0
     advertise: tuple[str, int] | None = None
+    micro_batches: int = 1
+    micro_batch_min_tokens: int = DEFAULT_MICRO_BATCH_MIN_TOKENS
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> Options:
@@ -68,7 +75,17 @@ class Options:
         port = extra.get("data_port", 0)
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise OptionError(f"data_port: {port!r} is not a port number")
-        return cls(backend, device, float(idle), inline, schedule, port, _address(extra.get("advertise")))
+        micro = extra.get("micro_batches", 1)
+        if isinstance(micro, bool) or not isinstance(micro, int) or not 1 <= micro <= MAX_MICRO_BATCHES:
+            raise OptionError(f"micro_batches: {micro!r} is not an integer from 1 to {MAX_MICRO_BATCHES}")
+        if micro > 1 and backend == "nccl":
+            raise OptionError("micro_batches: more than 1 needs backend gloo or tcp (the CUDA-stream schedule "
+                              "is not built yet)")
+        least = extra.get("micro_batch_min_tokens", max(DEFAULT_MICRO_BATCH_MIN_TOKENS, micro))
+        if isinstance(least, bool) or not isinstance(least, int) or least < micro:
+            raise OptionError(f"micro_batch_min_tokens: {least!r} is not an integer >= micro_batches ({micro})")
+        return cls(backend, device, float(idle), inline, schedule, port, _address(extra.get("advertise")), micro,
+                   least)
 
 
 def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...], default: str | None) -> Any:

@@ -40,7 +40,9 @@ Threads
 Limits
     Sends may be asynchronous (gloo, NCCL): a tensor handed to ``send_attn_output`` must not change before
     the matching ``recv_ffn_output`` returns, one handed to ``send_ffn_output`` not before the next
-    ``recv_attn_output``. One exchange is in flight per connector.
+    ``recv_attn_output``. Up to ``micro_batches`` exchanges are in flight per attention connector, answered
+    in the order they were sent; its calls may come from several threads, one at a time (the micro-batch
+    schedule hands over between them, ``afd_patches.models.microbatch``).
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class TorchDistConnector(Connector):
         self.schedule = opts.schedule
         ident = self.identity
         self.limits = wire.Limits(ident.get("num_hidden_layers"), ident.get("hidden_size"), ident.get("dtype"),
-                                  ident.get("max_num_batched_tokens"), 1, self.inline_bytes)
+                                  ident.get("max_num_batched_tokens"), opts.micro_batches, self.inline_bytes)
         try:
             self.token = auth.load_token(config.token_file)
             self.host = auth.resolve(config.host)
@@ -127,7 +129,8 @@ class TorchDistConnector(Connector):
         self._cancel = threading.Event()
         self._lock = threading.Lock()  # guards _busy (threads inside a transport call) and the cancel check
         self._busy = 0
-        self._sent_at = self._received_at = 0.0
+        self._sent_at: dict[int, float] = {}  # micro-batch -> when its hidden states were sent
+        self._received_at = 0.0
         self._out_device = self.device
 
     # ---------------------------------------------------------------- naming
@@ -147,7 +150,8 @@ class TorchDistConnector(Connector):
 
         fields: dict[str, Any] = {"num_attention_ranks": self.config.num_attention_ranks,
                                   "num_ffn_ranks": self.config.num_ffn_ranks, "backend": self.backend,
-                                  "inline_bytes": self.inline_bytes, "schedule": self.schedule}
+                                  "inline_bytes": self.inline_bytes, "schedule": self.schedule,
+                                  "micro_batches": self.options.micro_batches}
         fields.update(rendezvous.model_fields(self.identity))
         return Hello(self.role, self.config.rank, fields, device_identity(self.device), purpose, group, address)
 
@@ -276,14 +280,15 @@ class TorchDistConnector(Connector):
         for handle in pending:
             self._io("a send", self.peers[0], lambda h=handle: h.wait(self.timeout_s))
 
-    def _send(self, transport: Transport, peer: int, tensor: torch.Tensor, layer: int, step: int) -> None:
-        words = wire.words(wire.KIND_DATA, layer, step, tensor)
+    def _send(self, transport: Transport, peer: int, tensor: torch.Tensor, layer: int, step: int,
+              microbatch: int) -> None:
+        words = wire.words(wire.KIND_DATA, layer, step, tensor, microbatch=microbatch)
         self._pending.append(self._io(f"the send of layer {layer} step {step}", peer,
                                       lambda: transport.send(peer, words, tensor)))
         nbytes = tensor.numel() * tensor.element_size()
         self.messages_sent += 1
         METRICS.add("bytes_sent", nbytes)
-        if layer == 0 and nbytes == 0:
+        if layer == 0 and nbytes == 0 and microbatch == 0:
             METRICS.add("idle_steps")
 
     def _payload(self, transport: Transport, peer: int, header: wire.Header, what: str) -> torch.Tensor:
@@ -297,32 +302,33 @@ class TorchDistConnector(Connector):
         return tensor.detach().to(self.device).contiguous()
 
     # ------------------------------------------------------ attention side
-    def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int) -> None:
+    def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int, microbatch: int = 0) -> None:
         """Send this rank's MLP input of ``layer`` at ``step`` (``(0, hidden)`` when idle) to its FFN rank."""
         transport = self._check(topology.ATTENTION)
         self._drain()
-        self._sent_at, self._out_device = time.perf_counter(), hidden.device
-        self._send(transport, self.peers[0], self._wire(hidden), layer, step)
+        self._sent_at[microbatch], self._out_device = time.perf_counter(), hidden.device
+        self._send(transport, self.peers[0], self._wire(hidden), layer, step, microbatch)
 
-    def recv_ffn_output(self, layer: int, step: int) -> torch.Tensor:
-        """The FFN's output for ``layer``/``step``, on the device the hidden states were sent from."""
+    def recv_ffn_output(self, layer: int, step: int, microbatch: int = 0) -> torch.Tensor:
+        """The FFN's output for ``layer``/``step``/``microbatch``, on the device the hidden states were sent
+        from. Answers come in the order the messages were sent (the FFN serves them in arrival order)."""
         transport = self._check(topology.ATTENTION)
-        peer, what = self.peers[0], f"the FFN output of layer {layer} step {step}"
+        peer, what = self.peers[0], f"the FFN output of layer {layer} step {step} micro-batch {microbatch}"
         header = self._io(what, peer, lambda: transport.next_header(peer, self.timeout_s))
         if header.kind == wire.KIND_CLOSE:
             self._closed_peers.add(peer)
             self._broken = f"{self.describe(peer)} closed"
             raise ConnectorClosed(f"AFD {self.me()}: {self.describe(peer)} closed while {what} was awaited")
         self._drain()
-        if (header.layer, header.step) != (layer, step):
-            self._broken = "layer/step mismatch"
+        if (header.layer, header.step, header.microbatch) != (layer, step, microbatch):
+            self._broken = "layer/step/micro-batch mismatch"
             raise ConnectorError(f"AFD {self.me()}: expected {what}, got layer {header.layer} step {header.step} "
-                                 f"from {self.describe(peer)}")
+                                 f"micro-batch {header.microbatch} from {self.describe(peer)}")
         out = self._payload(transport, peer, header, what)
         self.messages_received += 1
         METRICS.add("exchanges")
         METRICS.add("bytes_received", out.numel() * out.element_size())
-        METRICS.observe(time.perf_counter() - self._sent_at)
+        METRICS.observe(time.perf_counter() - self._sent_at.get(microbatch, 0.0))
         return out.to(self._out_device)
 
     # ------------------------------------------------------------ FFN side
@@ -355,11 +361,11 @@ class TorchDistConnector(Connector):
         template = next(iter(received.values()))
         tensors = [received.get(p, template.new_empty((0, *template.shape[1:]))) for p in self.peers]
         rows = sum(t.shape[0] for t in tensors)
-        return Meta(first.layer, first.step, (rows, *first.shape[1:]), first.dtype), tensors
+        return Meta(first.layer, first.step, (rows, *first.shape[1:]), first.dtype, first.microbatch), tensors
 
     def send_ffn_output(self, outputs: list[torch.Tensor], meta: Meta) -> None:
-        """Send ``outputs[i]`` to the i-th served attention rank, tagged with ``meta``'s layer and step (only
-        to the ranks whose inputs the last ``recv_attn_output`` returned)."""
+        """Send ``outputs[i]`` to the i-th served attention rank, tagged with ``meta``'s layer, step and
+        micro-batch (only to the ranks whose inputs the last ``recv_attn_output`` returned)."""
         transport = self._check(topology.FFN)
         if len(outputs) != len(self.peers):
             raise ConnectorError(f"AFD {self.me()}: {len(outputs)} outputs for {len(self.peers)} attention ranks")
@@ -368,7 +374,7 @@ class TorchDistConnector(Connector):
         self._drain()
         for tensor, peer in zip(outputs, self.peers, strict=True):
             if peer in self._answer:
-                self._send(transport, peer, self._wire(tensor), meta.layer, meta.step)
+                self._send(transport, peer, self._wire(tensor), meta.layer, meta.step, meta.microbatch)
         METRICS.add("exchanges")
         METRICS.observe(elapsed)
 

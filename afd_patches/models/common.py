@@ -56,7 +56,8 @@ from torch import nn
 
 from afd_patches.config import AfdConfig, from_additional_config
 from afd_patches.connectors.base import ConnectorError
-from afd_patches.models import exchange_op
+from afd_patches.metrics import METRICS
+from afd_patches.models import exchange_op, microbatch
 from afd_patches.topology import ATTENTION, FFN
 
 if TYPE_CHECKING:
@@ -71,11 +72,12 @@ class AfdGroupDown(ConnectorError):
 class PendingExchange:
     """A sent layer whose FFN output has not been received yet (``AfdLink.send``'s handle)."""
 
-    __slots__ = ("device", "dtype", "layer", "link", "shape", "step")
+    __slots__ = ("device", "dtype", "layer", "link", "microbatch", "sent_at", "shape", "step")
 
-    def __init__(self, link: AfdLink, layer: int, step: int, hidden: torch.Tensor) -> None:
-        self.link, self.layer, self.step = link, layer, step
+    def __init__(self, link: AfdLink, layer: int, step: int, hidden: torch.Tensor, microbatch: int) -> None:
+        self.link, self.layer, self.step, self.microbatch = link, layer, step, microbatch
         self.shape, self.device, self.dtype = hidden.shape, hidden.device, hidden.dtype
+        self.sent_at = time.perf_counter()
 
     def wait(self) -> torch.Tensor:
         """The FFN output for the sent hidden states (same shape, device and dtype)."""
@@ -86,9 +88,13 @@ class AfdLink:
     """The attention side's end of the exchange: connector plus forward-step counter.
 
     ``begin_step()`` is called once per model forward; ``exchange()`` once per
-    layer per forward, so ``exchanges == layers * steps`` by construction.
-    ``exchange`` is ``send`` then ``wait`` on the handle it returns (a schedule
-    that overlaps micro-batches calls them apart). ``lock`` is held for a whole
+    layer per forward and micro-batch, so ``exchanges == layers * steps`` without
+    micro-batches. ``exchange`` is ``send`` then ``wait`` on the handle it returns;
+    inside a micro-batch (``afd_patches.models.microbatch``) it hands the baton to
+    the next micro-batch in between, so that one's attention overlaps this one's
+    FFN. ``pad_micro_batches`` (set by the attention worker): an unsplit step or an
+    idle step also sends empty micro-batches up to that count, so that every rank
+    an FFN rank batches sends the same messages per layer. ``lock`` is held for a whole
     step (real forward or ``idle_step``), so steps never interleave on the
     connector, and ``swap()`` (the worker replacing a lost group's connector)
     never happens inside a step. ``op_id`` is this link's index for the
@@ -112,6 +118,8 @@ class AfdLink:
         self.last_active = time.monotonic()
         self.op_id = exchange_op.register(self)
         self.down: str | None = None
+        self.pad_micro_batches = 1
+        self.micro_batches = 0  # over every step: the micro-batches they ran in (1 for a step not split)
 
     def swap(self, connector: Connector | None, down: str | None = None) -> Connector | None:
         """Between steps, bind ``connector`` (None: the group is down because of ``down``); return the old one."""
@@ -124,10 +132,22 @@ class AfdLink:
         return self.step
 
     def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
-        """Send ``hidden`` for ``layer`` of the current step; return the FFN output (same shape)."""
-        return self.send(hidden, layer).wait()
+        """Send ``hidden`` for ``layer`` of the current step (and micro-batch); return the FFN output (same
+        shape)."""
+        turn = microbatch.current()
+        if turn is not None:
+            baton, k = turn
+            pending = self.send(hidden, layer, k)
+            baton.hand_over(k)
+            return pending.wait()
+        pending = self.send(hidden, layer)
+        pads = [self.send(hidden[:0], layer, k) for k in range(1, self.pad_micro_batches)]
+        out = pending.wait()
+        for pad in pads:
+            pad.wait()
+        return out
 
-    def send(self, hidden: torch.Tensor, layer: int) -> PendingExchange:
+    def send(self, hidden: torch.Tensor, layer: int, microbatch: int = 0) -> PendingExchange:
         """Send ``hidden`` for ``layer`` of the current step; the handle whose ``wait()`` returns the answer."""
         if self.connector is None:
             if self.down is not None:
@@ -136,15 +156,18 @@ class AfdLink:
                 "AFD attention model ran a forward before a connector was bound "
                 "(the attention role needs afd_patches' attention worker)"
             )
-        self.connector.send_attn_output(hidden.contiguous(), layer, self.step)
-        return PendingExchange(self, layer, self.step, hidden)
+        self.connector.send_attn_output(hidden.contiguous(), layer, self.step, microbatch)
+        return PendingExchange(self, layer, self.step, hidden, microbatch)
 
     def wait(self, pending: PendingExchange) -> torch.Tensor:
         """Receive the FFN output for ``pending`` (see ``send``); checked against the sent shape."""
         if self.connector is None:
             raise RuntimeError("AFD: the connector was closed while an exchange was pending")
-        out = self.connector.recv_ffn_output(pending.layer, pending.step)
-        self.exchanges += 1
+        waited_at = time.perf_counter()
+        out = self.connector.recv_ffn_output(pending.layer, pending.step, pending.microbatch)
+        METRICS.exchanged(pending.sent_at, waited_at, time.perf_counter())
+        if pending.microbatch == 0:
+            self.exchanges += 1
         if out.shape != pending.shape:
             raise RuntimeError(f"AFD layer {pending.layer} step {pending.step}: FFN returned {tuple(out.shape)}, "
                                f"expected {tuple(pending.shape)}")
@@ -329,6 +352,7 @@ class AfdCausalLMMixin(nn.Module):
     _afd_link: AfdLink
     _afd_ffn_calls: list[Any] | None = None  # FFN role: the compiled per-layer modules (afd_compile_ffn)
     _afd_ffn_compile_s = 0.0
+    _afd_micro: microbatch.MicroBatchRunner | None = None  # attention role, made at the first split step
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
         cfg = afd_config_of(vllm_config)
@@ -438,13 +462,14 @@ class AfdCausalLMMixin(nn.Module):
         self._afd_link.connector = connector
 
     def afd_stats(self) -> dict[str, int]:
-        """Forward steps and layer exchanges so far (attention role), layer count, and (FFN role) the seconds
-        ``afd_compile_ffn`` spent."""
+        """Forward steps, layer exchanges (micro-batch 0's) and micro-batches so far (attention role), layer
+        count, and (FFN role) the seconds ``afd_compile_ffn`` spent."""
         layers = len(self._afd_layers())
         if self.afd_role != ATTENTION:
             return {"layers": layers, "ffn_compile_s": self._afd_ffn_compile_s}
         link = self._afd_link
-        return {"layers": layers, "steps": link.step + 1, "exchanges": link.exchanges, "idle_steps": link.idle_steps}
+        return {"layers": layers, "steps": link.step + 1, "exchanges": link.exchanges, "idle_steps": link.idle_steps,
+                "micro_batches": link.micro_batches}
 
     def afd_link(self) -> AfdLink:
         """The attention role's link (the attention worker drives idle steps through it)."""
@@ -477,14 +502,26 @@ class AfdCausalLMMixin(nn.Module):
             return call(hidden)  # type: ignore[no-any-return]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Attention role: one forward step (exchanges once per layer). FFN role: not available."""
+        """Attention role: one forward step (exchanges once per layer and micro-batch; split when vLLM's runner
+        split the step, ``afd_patches.models.microbatch``). FFN role: not available."""
         if self.afd_role != ATTENTION:
             raise RuntimeError("the FFN role of an AFD model has no forward; it serves afd_ffn()")
         link = self._afd_link
         with link.lock:
             link.begin_step()
             try:
-                return super().forward(*args, **kwargs)
+                slices = microbatch.step_slices()
+                link.micro_batches += len(slices) if slices else 1
+                METRICS.add("steps")
+                METRICS.add("micro_batches", len(slices) if slices else 1)
+                if not slices:
+                    return super().forward(*args, **kwargs)
+                if args:
+                    raise TypeError("AFD micro-batches: the model is called with keyword inputs only (as vLLM's "
+                                    "runner calls it)")
+                if self._afd_micro is None:
+                    self._afd_micro = microbatch.MicroBatchRunner()
+                return self._afd_micro.run(super().forward, slices, kwargs)
             finally:
                 link.last_active = time.monotonic()
 

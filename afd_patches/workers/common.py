@@ -81,9 +81,11 @@ from typing import Any
 import torch
 
 from afd_patches import metrics
+from afd_patches.compat import micro_batches
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import REGISTRY
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout
+from afd_patches.connectors.options import Options
 from afd_patches.models.common import afd_config_of
 from afd_patches.workers.regroup import GroupKeeper
 
@@ -200,10 +202,15 @@ class AttentionRoleMixin(_RoleBase):
     """Attention role: connect after loading the model and bind the connector to it; outlive the FFN role."""
 
     _afd_keeper: GroupKeeper | None = None
+    _afd_micro = (1, 1)  # micro_batches, micro_batch_min_tokens (connector_extra_config)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)  # type: ignore[misc]
         cfg = afd_config_of(self.vllm_config)
+        opts = Options.parse(cfg.connector_extra_config)
+        self._afd_micro = (opts.micro_batches, opts.micro_batch_min_tokens)
+        if opts.micro_batches > 1:  # before the KV cache: vLLM makes one metadata builder per micro-batch
+            self.vllm_config.parallel_config.ubatch_size = opts.micro_batches
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
         model = self._afd_model()
         if not hasattr(model, "afd_bind"):
             raise RuntimeError(
@@ -216,6 +223,11 @@ class AttentionRoleMixin(_RoleBase):
         connector.init()
         logger.info("AFD attention rank %d connected in %.1fs", cfg.rank, time.monotonic() - t0)
         model.afd_bind(connector)
+        if cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched":
+            model.afd_link().pad_micro_batches = opts.micro_batches  # its FFN rank batches ranks by micro-batch
+        if opts.micro_batches > 1:
+            logger.info("AFD attention rank %d: steps of at least %d tokens run as %d micro-batches", cfg.rank,
+                        opts.micro_batch_min_tokens, opts.micro_batches)
         self._afd_keeper = GroupKeeper(cfg, lambda: build_connector(cfg, identity), model.afd_link(), connector,
                                        cfg.connector_extra_config.get("idle_timeout_s", REFORM_WAIT_S))
         self._afd_ticker_stop = threading.Event()
@@ -227,7 +239,8 @@ class AttentionRoleMixin(_RoleBase):
         """vLLM's step; a connector error (the FFN role lost) becomes ``AfdGroupDown`` naming the FFN's address,
         and the group is re-formed in the background (``afd_patches.workers.regroup``)."""
         try:
-            return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+            with micro_batches.in_step(*self._afd_micro):
+                return super().execute_model(*args, **kwargs)  # type: ignore[misc]
         except ConnectorError as e:
             if self._afd_keeper is None:
                 raise

@@ -1,0 +1,62 @@
+"""Telling vLLM's model runner to split an AFD attention step into micro-batches.
+
+vLLM's runner already knows how to run a step as micro-batches (its dual-batch overlap): when
+``_determine_batch_execution_and_padding`` answers ``should_ubatch``, it cuts the step with
+``maybe_create_ubatch_slices`` into ``parallel_config.num_ubatches`` token slices, builds one attention
+metadata per slice with ``split_attn_metadata`` (one metadata builder per micro-batch, made when
+``parallel_config.use_ubatching``), and hands the model a forward context holding them. On one engine
+(no data parallelism) vLLM never answers yes, and the CPU platform turns dual-batch overlap off; the rest
+of that machinery runs on CPU as it is.
+
+``split_afd_steps`` wraps ``_determine_batch_execution_and_padding``: inside a step of an AFD attention
+worker that asked for ``micro_batches`` > 1 (``in_step``), it answers ``should_ubatch`` when vLLM allowed
+micro-batching for this batch (its own ``_allow_microbatching`` veto: a reader of KV blocks another request
+of the same step writes) and the step has at least ``micro_batch_min_tokens`` tokens. Everything else,
+vLLM's warm-up and dummy runs included, gets vLLM's answer unchanged. The attention worker sets
+``parallel_config.ubatch_size`` to ``micro_batches`` in its own process (``ubatch_size_for``) before the KV
+cache and its metadata builders are made.
+
+Limits: with vLLM data parallelism the runner coordinates ``should_ubatch`` across ranks itself; a yes
+there is kept as it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+_STEP = threading.local()  # .plan: (micro_batches, micro_batch_min_tokens) while an attention step runs
+
+
+@contextmanager
+def in_step(micro_batches: int, min_tokens: int) -> Iterator[None]:
+    """Mark this thread as running an AFD attention step that may be split (``micro_batches`` > 1)."""
+    _STEP.plan = (micro_batches, min_tokens) if micro_batches > 1 else None
+    try:
+        yield
+    finally:
+        _STEP.plan = None
+
+
+def _num_tokens(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, bool]:
+    if "num_tokens" in kwargs:
+        return int(kwargs["num_tokens"]), bool(kwargs.get("allow_microbatching", True))
+    bound = inspect.signature(original).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return int(bound.arguments["num_tokens"]), bool(bound.arguments["allow_microbatching"])
+
+
+def split_afd_steps(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """Wrapper of ``GPUModelRunner._determine_batch_execution_and_padding`` (module docstring)."""
+    result = original(runner, *args, **kwargs)
+    plan = getattr(_STEP, "plan", None)
+    if plan is None or result[2]:
+        return result
+    micro_batches, min_tokens = plan
+    num_tokens, allowed = _num_tokens(original, args, kwargs)
+    if not allowed or num_tokens < max(min_tokens, micro_batches):
+        return result
+    return (result[0], result[1], True, *result[3:])
