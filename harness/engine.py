@@ -4,7 +4,8 @@ Every run, plain or AFD, builds ``LLM(**engine_kwargs(spec))``: ``enforce_eager=
 the spec's ``compiled`` is true (then vLLM's default compilation: on CPU dynamo + inductor),
 ``max_model_len=256``, ``skip_tokenizer_init=True`` (token-id prompts), the checkpoint's dtype
 (``checkpoint_dtype``: float32, bfloat16 for the Gated-DeltaNet hybrids; SPEC ``dtype`` overrides), seed 0, a
-64 MiB KV cache, ``max_num_seqs=8``; sampling is greedy (temperature 0, ``ignore_eos``) with
+64 MiB KV cache, ``max_num_seqs=8``, vLLM's reference CPU MLA backend for a float32 MLA checkpoint (the AMX one
+takes bf16 weights only); sampling is greedy (temperature 0, ``ignore_eos``) with
 top-``logprobs`` logprobs, reported as vLLM returns them (no rounding).
 
 As a module run in its own process: ``python -m harness.engine SPEC.json`` (``cwd`` the
@@ -174,6 +175,11 @@ def checkpoint_dtype(model_dir: str | Path) -> str:
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
+def _uses_mla(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's attention is multi-head latent attention (DeepSeek-V2/V3: ``kv_lora_rank``)."""
+    return bool(json.loads((Path(model_dir) / "config.json").read_text()).get("kv_lora_rank"))
+
+
 def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``LLM(...)`` keyword arguments for ``spec`` (the same settings for every mode)."""
     kwargs: dict[str, Any] = dict(
@@ -186,6 +192,10 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         kv_cache_memory_bytes=64 << 20,
         max_num_seqs=8,
     )
+    if kwargs["dtype"] == "float32" and _uses_mla(spec["model"]):
+        # On a host with AMX vLLM picks its AMX MLA backend, which takes bf16/fp16 weights only
+        # ("expect weight to be bfloat16, ..."); its reference CPU MLA backend runs float32 anywhere.
+        kwargs["attention_config"] = {"backend": "CPU_MLA"}
     if spec["mode"] != "plain":
         kwargs["hf_overrides"] = {"architectures": [spec["arch"]]}
         kwargs["additional_config"] = {"afd": spec["afd"]}

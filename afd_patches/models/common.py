@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from afd_patches import trace
 from afd_patches.config import AfdConfig, from_additional_config
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.metrics import METRICS
@@ -119,6 +120,7 @@ class AfdLink:
         self.op_id = exchange_op.register(self)
         self.down: str | None = None
         self.pad_micro_batches = 1
+        self._since: dict[int, float] = {}
         self.micro_batches = 0  # over every step: the micro-batches they ran in (1 for a step not split)
 
     def swap(self, connector: Connector | None, down: str | None = None) -> Connector | None:
@@ -129,23 +131,43 @@ class AfdLink:
 
     def begin_step(self) -> int:
         self.step += 1
+        self._since = {0: trace.now_us()}  # micro-batch -> when it last started computing (trace)
         return self.step
 
     def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
         """Send ``hidden`` for ``layer`` of the current step (and micro-batch); return the FFN output (same
         shape)."""
         turn = microbatch.current()
-        if turn is not None:
-            baton, k = turn
-            pending = self.send(hidden, layer, k)
-            baton.hand_over(k)
-            return pending.wait()
-        pending = self.send(hidden, layer)
-        pads = [self.send(hidden[:0], layer, k) for k in range(1, self.pad_micro_batches)]
+        if turn is None:
+            sent_at = trace.now_us()
+            pending = self.send(hidden, layer)
+            pads = [self.send(hidden[:0], layer, k) for k in range(1, self.pad_micro_batches)]
+            waited_at = trace.now_us()
+            out = pending.wait()
+            for pad in pads:
+                pad.wait()
+            self._trace(layer, 0, self._since[0], sent_at, waited_at, waited_at)
+            return out
+        baton, k = turn
+        sent_at = trace.now_us()
+        pending = self.send(hidden, layer, k)
+        handed_at = trace.now_us()
+        baton.hand_over(k)
+        waited_at = trace.now_us()
         out = pending.wait()
-        for pad in pads:
-            pad.wait()
+        self._trace(layer, k, self._since.get(k, baton.first_taken_at[k]), sent_at, handed_at, waited_at)
         return out
+
+    def _trace(self, layer: int, k: int, since: float, sent_at: float, handed_at: float, waited_at: float) -> None:
+        """Trace one exchange of micro-batch ``k`` (``afd_patches.trace``): its attention from ``since``, the
+        send, the wait; the micro-batch computes again from now."""
+        now = trace.now_us()
+        if trace.TRACER.enabled:
+            thread, tags = f"micro-batch {k}", {"layer": layer, "microbatch": k, "step": self.step}
+            trace.TRACER.event("attention", thread, since, sent_at, **tags)
+            trace.TRACER.event("send", thread, sent_at, handed_at, **tags)
+            trace.TRACER.event("wait", thread, waited_at, now, **tags)
+        self._since[k] = now
 
     def send(self, hidden: torch.Tensor, layer: int, microbatch: int = 0) -> PendingExchange:
         """Send ``hidden`` for ``layer`` of the current step; the handle whose ``wait()`` returns the answer."""

@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from afd_patches import trace
+
 _CURRENT = threading.local()  # .turn: the (Baton, micro-batch) this thread runs, while it runs one
 
 
@@ -58,6 +60,7 @@ class Baton:
         self._turn = 0
         self._contexts = contexts
         self._entered: dict[int, AbstractContextManager[Any]] = {}
+        self.first_taken_at = [0.0] * len(contexts)  # when each micro-batch began computing (``trace.now_us``)
 
     def take(self, k: int) -> None:
         """Block until it is micro-batch ``k``'s turn, then make its forward context current."""
@@ -68,6 +71,8 @@ class Baton:
         entered = override_forward_context(self._contexts[k])
         entered.__enter__()
         self._entered[k] = entered
+        if not self.first_taken_at[k]:
+            self.first_taken_at[k] = trace.now_us()
 
     def _release(self, k: int, done: bool) -> None:
         entered = self._entered.pop(k, None)
@@ -166,7 +171,7 @@ class MicroBatchRunner:
             try:
                 baton.take(k)
                 outputs[k] = forward(**_slice_inputs(kwargs, slices[k].token_slice))
-            except BaseException as e:  # re-raised in the caller
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
                 errors.append(e)
             finally:
                 _CURRENT.turn = None

@@ -80,7 +80,7 @@ from typing import Any
 
 import torch
 
-from afd_patches import metrics
+from afd_patches import metrics, trace
 from afd_patches.compat import micro_batches
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import REGISTRY
@@ -219,6 +219,7 @@ class AttentionRoleMixin(_RoleBase):
         identity = model_identity(self.vllm_config)
         connector = build_connector(cfg, identity)
         metrics.start_writer("attention", cfg.rank)
+        trace.TRACER.start("attention", cfg.rank)
         t0 = time.monotonic()
         connector.init()
         logger.info("AFD attention rank %d connected in %.1fs", cfg.rank, time.monotonic() - t0)
@@ -334,6 +335,7 @@ class FfnRoleMixin(_RoleBase):
         self._afd_connector = build_connector(cfg, self._afd_identity)
         self._afd_group_ended = threading.Event()
         metrics.start_writer("ffn", cfg.rank)
+        trace.TRACER.start("ffn", cfg.rank)
         self._afd_thread = threading.Thread(target=self._afd_serve, name=f"afd-ffn-{cfg.rank}", daemon=True)
         self._afd_thread.start()
 
@@ -441,8 +443,15 @@ class FfnRoleMixin(_RoleBase):
                 if self._afd_stop.is_set():
                     return
                 raise
-            conn.send_ffn_output(_run_ffn(model, meta.layer, inputs, device, dtype), meta)
+            began = trace.now_us()
+            outputs = _run_ffn(model, meta.layer, inputs, device, dtype)
+            computed = trace.now_us()
+            conn.send_ffn_output(outputs, meta)
             self._afd_batches += 1
+            if trace.TRACER.enabled:
+                tags = {"layer": meta.layer, "microbatch": meta.microbatch, "step": meta.step, "tokens": meta.shape[0]}
+                trace.TRACER.event("ffn", "ffn", began, computed, **tags)
+                trace.TRACER.event("send", "ffn", computed, trace.now_us(), **tags)
 
     def _afd_stop_engine(self) -> None:
         """After the serve loop ended with an error, stop this engine unless ``afd_wait()`` will report it.

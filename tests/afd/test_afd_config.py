@@ -197,3 +197,23 @@ def test_bad_schedule_names_the_nested_key(value):
         parse({"role": "ffn", "connector_extra_config": {"schedule": value}})
     assert 'additional_config["afd"]["connector_extra_config"]["schedule"]' in str(err.value)
     assert "batched" in str(err.value) and "pingpong" in str(err.value)
+
+
+def test_micro_batches_default_to_one_and_take_two_to_four():
+    from afd_patches.connectors.options import DEFAULT_MICRO_BATCH_MIN_TOKENS, Options
+
+    assert Options.parse({}).micro_batches == 1
+    opts = Options.parse(parse({"role": "attention", "connector_extra_config": {"micro_batches": 4}})
+                         .connector_extra_config)
+    assert opts.micro_batches == 4 and opts.micro_batch_min_tokens == max(4, DEFAULT_MICRO_BATCH_MIN_TOKENS)
+
+
+@pytest.mark.parametrize("extra,key", [
+    ({"micro_batches": 0}, "micro_batches"), ({"micro_batches": 5}, "micro_batches"),
+    ({"micro_batches": True}, "micro_batches"), ({"micro_batches": "2"}, "micro_batches"),
+    ({"micro_batches": 3, "micro_batch_min_tokens": 2}, "micro_batch_min_tokens"),
+    ({"micro_batches": 2, "backend": "nccl"}, "micro_batches")])
+def test_bad_micro_batch_settings_fail_in_the_front_end_naming_the_key(extra, key):
+    with pytest.raises(AfdConfigError) as err:
+        parse({"role": "attention", "connector_extra_config": extra})
+    assert key in str(err.value)

@@ -102,11 +102,11 @@ class _Loopback:
     def __init__(self) -> None:
         self.sent: list[int] = []
 
-    def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int) -> None:
+    def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int, microbatch: int = 0) -> None:
         self.sent.append(layer)
         self.last = hidden
 
-    def recv_ffn_output(self, layer: int, step: int) -> torch.Tensor:
+    def recv_ffn_output(self, layer: int, step: int, microbatch: int = 0) -> torch.Tensor:
         return self.last * 2
 
 

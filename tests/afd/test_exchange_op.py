@@ -24,11 +24,11 @@ class Recorder:
         self.calls: list[tuple[str, int, int]] = []
         self._pending: dict[int, torch.Tensor] = {}
 
-    def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int) -> None:
+    def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int, microbatch: int = 0) -> None:
         self.calls.append(("send", layer, step))
         self._pending[layer] = 2 * hidden + layer
 
-    def recv_ffn_output(self, layer: int, step: int) -> torch.Tensor:
+    def recv_ffn_output(self, layer: int, step: int, microbatch: int = 0) -> torch.Tensor:
         self.calls.append(("recv", layer, step))
         return self._pending.pop(layer)
 
@@ -117,10 +117,10 @@ def test_an_answer_sharing_the_input_storage_is_copied() -> None:
     link, _ = _link(1)
 
     class Echo(Recorder):
-        def recv_ffn_output(self, layer: int, step: int) -> torch.Tensor:
+        def recv_ffn_output(self, layer: int, step: int, microbatch: int = 0) -> torch.Tensor:
             return self.sent
 
-        def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int) -> None:
+        def send_attn_output(self, hidden: torch.Tensor, layer: int, step: int, microbatch: int = 0) -> None:
             self.sent = hidden
 
     link.connector = Echo()  # type: ignore[assignment]

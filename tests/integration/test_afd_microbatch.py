@@ -30,12 +30,17 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("afd-ubatch")
 
 
-def _check_split(attn: dict[str, Any], ffn: dict[str, Any] | None, n: int) -> None:
+def _check_split(attn: dict[str, Any], ffn: dict[str, Any] | None, n: int, padded: bool = False) -> None:
+    """Split steps happened; one message per layer and micro-batch (``padded``: N per layer in every step)."""
     a = attn["stats"][0]
     assert a["steps"] > 0 and a["exchanges"] == a["layers"] * a["steps"]
+    forwards = a["steps"] - a["idle_steps"]  # idle (zero-token) steps are not forwards; they are never split
     if n > 1:
-        assert a["micro_batches"] > a["steps"], "no step was split"
-    assert a["messages_sent"] == a["messages_received"] == a["layers"] * a["micro_batches"]
+        assert forwards < a["micro_batches"] <= n * forwards, "no step was split"
+    else:
+        assert a["micro_batches"] == forwards
+    expected = a["layers"] * (n * a["steps"] if padded else a["micro_batches"] + a["idle_steps"])
+    assert a["messages_sent"] == a["messages_received"] == expected
     if ffn is not None:
         f = ffn["stats"][0]
         assert f["ffn_batches"] == f["messages_received"] == a["messages_sent"]
@@ -52,3 +57,43 @@ def test_micro_batches_match_plain_vllm(workdir: Path, family: str, n: int) -> N
     ], workdir, stagger_s=1.0)
     _assert_same_outputs(plain, attn)
     _check_split(attn, ffn, n)
+
+
+@pytest.mark.parametrize("family,schedule", [("llama", "batched"), ("llama", "pingpong"),
+                                             ("qwen3_moe", "batched"), ("qwen3_moe", "pingpong")])
+def test_2a1f_micro_batches_match_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
+    """Two attention ranks, two micro-batches each, one FFN rank. Batched: the FFN rank batches micro-batch k
+    of every rank (a step too small to split sends an empty second micro-batch, so every rank sends the same
+    messages per layer); pingpong: it serves each message as it arrives."""
+    model, plain = _model_and_plain(workdir, family)
+    afd = _micro(_afd(2, schedule), 2)
+    flags = [str(workdir / f"ub-2a-{family}-{schedule}-done-{r}") for r in range(2)]
+    for f in flags:
+        Path(f).unlink(missing_ok=True)
+    specs = [_spec(f"{family}-ub-2a-{schedule}-ffn", "ffn", model, family, {**afd, "role": "ffn"})]
+    for r in range(2):
+        spec = _spec(f"{family}-ub-2a-{schedule}-attn{r}", "attention", model, family,
+                     {**afd, "role": "attention", "rank": r})
+        spec.update(done_flag=flags[r], wait_for=flags)
+        specs.append(spec)
+    ffn, *attns = _run_engines(specs, workdir, stagger_s=1.0)
+    for attn in attns:
+        _assert_same_outputs(plain, attn)
+        _check_split(attn, None, 2, padded=schedule == "batched")
+    f = ffn["stats"][0]
+    assert f["messages_received"] == f["messages_sent"] == sum(a["stats"][0]["messages_sent"] for a in attns)
+
+
+def test_compiled_micro_batches_match_plain_vllm_compiled(workdir: Path) -> None:
+    """At vLLM's default compilation the micro-batch threads run the compiled attention model (dynamo +
+    inductor around ``afd::exchange``); exact against plain vLLM compiled the same way."""
+    family = "llama"
+    model, _ = _model_and_plain(workdir, family)
+    (plain,) = _run_engines([_spec(f"{family}-ub-plain-compiled", "plain", model, family, compiled=True)], workdir)
+    afd = _micro(_afd(1), 2)
+    ffn, attn = _run_engines([
+        _spec(f"{family}-ub2c-ffn", "ffn", model, family, {**afd, "role": "ffn"}, compiled=True),
+        _spec(f"{family}-ub2c-attn", "attention", model, family, {**afd, "role": "attention"}, compiled=True),
+    ], workdir, stagger_s=1.0)
+    _assert_same_outputs(plain, attn)
+    _check_split(attn, ffn, 2)
