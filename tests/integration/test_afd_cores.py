@@ -85,7 +85,7 @@ def _run_pair(model: Path, workdir: Path, env: dict[str, str], cores: dict[str, 
             assert time.monotonic() < deadline, "the attention engine did not finish generating in time"
             time.sleep(0.5)
         placed = {}
-        for role, (proc, log, _) in zip(("ffn", "attention"), engines, strict=True):
+        for role, (proc, _, _) in zip(("ffn", "attention"), engines, strict=True):
             workers = _workers(proc.pid)
             assert len(workers) == 1, f"{role}: expected one VLLM::Worker in its group, found {workers}"
             placed[role] = _allowed_list(workers[0])
