@@ -38,6 +38,7 @@ class AfdConfig:
     connector_extra_config: dict[str, Any] = field(default_factory=dict)
     token_file: str | None = None
     allow_unauthenticated: bool = False
+    cpu_cores: str | None = None
 
     @property
     def schedule(self) -> str:
@@ -51,10 +52,11 @@ class AfdConfig:
         return str(self.connector_extra_config.get("schedule", "batched"))
 
     def to_dict(self) -> dict[str, Any]:
-        """The keys ``parse`` accepts again (an unset ``token_file`` is left out)."""
+        """The keys ``parse`` accepts again (an unset ``token_file`` or ``cpu_cores`` is left out)."""
         d = asdict(self)
-        if d["token_file"] is None:
-            del d["token_file"]
+        for key in ("token_file", "cpu_cores"):
+            if d[key] is None:
+                del d[key]
         return d
 
 
@@ -96,6 +98,7 @@ def parse(raw: Any) -> AfdConfig:
     _check_topology(cfg)
     _check_connector(cfg)
     _check_auth(cfg)
+    _check_cpu_cores(cfg)
     return cfg
 
 
@@ -153,6 +156,26 @@ def _check_auth(cfg: AfdConfig) -> None:
         auth.check_policy(address, token, cfg.allow_unauthenticated)
     except auth.TokenError as e:
         raise _fail("host", str(e)) from None
+
+
+def _check_cpu_cores(cfg: AfdConfig) -> None:
+    """``cpu_cores`` must be vLLM's CPU-list syntax (``afd_patches.cores``) and name only CPUs this process
+    may run on (the engine's workers inherit its affinity; a CPU outside it would not bind)."""
+    if cfg.cpu_cores is None:
+        return
+    import os
+
+    from afd_patches import cores
+
+    try:
+        lists = cores.parse_core_lists(cfg.cpu_cores)
+    except ValueError as e:
+        raise _fail("cpu_cores", str(e)) from None
+    allowed = os.sched_getaffinity(0)
+    outside = sorted({cpu for ids in lists for cpu in ids} - allowed)
+    if outside:
+        raise _fail("cpu_cores", f"CPU(s) {cores.format_cores(outside)} are not among the CPUs this process may "
+                                 f"run on ({cores.format_cores(allowed)})")
 
 
 def from_additional_config(additional_config: dict[str, Any] | None) -> AfdConfig | None:

@@ -6,8 +6,9 @@ Two wrappers, both declared in the manifest:
   ``AFD`` argument group: ``--afd-role``, ``--afd-connector``, ``--afd-host``,
   ``--afd-port``, ``--afd-num-attention-ranks``, ``--afd-num-ffn-ranks``,
   ``--afd-rank``, ``--afd-timeout-s``, ``--afd-token-file`` (a path; the secret itself is
-  never a command-line value, so it does not show in ``ps``). A flag not given leaves no attribute on the namespace
-  (``argparse.SUPPRESS``), so ``--help`` shows AFD's own defaults, not ``None``.
+  never a command-line value, so it does not show in ``ps``), ``--afd-cpu-cores``. A flag not
+  given leaves no attribute on the namespace (``argparse.SUPPRESS``), so ``--help`` shows AFD's
+  own defaults, not ``None``.
 - ``afd_from_cli_args`` wraps ``EngineArgs.from_cli_args`` (a classmethod) and maps the
   given flags into ``additional_config["afd"]``.
 
@@ -110,6 +111,10 @@ def flags() -> tuple[Flag, ...]:
         Flag("--afd-token-file", "token_file", str,
              "File holding the group's shared secret (mode 0600); or set AFD_TOKEN. Required unless "
              "--afd-host is loopback. The secret itself is never a flag.", metavar="PATH"),
+        Flag("--afd-cpu-cores", "cpu_cores", str,
+             "CPUs this engine's worker(s) run on, as VLLM_CPU_OMP_THREADS_BIND takes them ('0-3', one list per "
+             "worker separated by '|'). Default: that variable unless it is 'auto', else on a loopback "
+             "--afd-host a share of the allowed CPUs derived from role and rank.", metavar="LIST"),
     )
 
 

@@ -1,0 +1,199 @@
+"""Roles on their own cores: the ``cpu_cores`` syntax, the default placement, the front-end check, and the
+wrapper of vLLM's own ``OMPProcessManager.__init__`` (the real class, given a config object with the fields it
+reads; the pair test with real engines is tests/integration/test_afd_cores.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from afd_patches import AfdConfigError
+from afd_patches.compat import cpu_binding
+from afd_patches.config import AfdConfig, parse
+from afd_patches.cores import Cpu, derive, format_core_lists, format_cores, parse_core_lists, physical_cores
+
+
+def _flat(n: int) -> list[Cpu]:
+    """``n`` CPUs, each its own core, one NUMA node."""
+    return [Cpu(i, i) for i in range(n)]
+
+
+# ------------------------------------------------------------------ syntax
+@pytest.mark.parametrize("spec,lists", [
+    ("0", [[0]]), ("0-3", [[0, 1, 2, 3]]), ("0-1,8", [[0, 1, 8]]), ("0-1|2-3", [[0, 1], [2, 3]]),
+    ("5,2-4", [[5, 2, 3, 4]]),
+])
+def test_parse_core_lists(spec: str, lists: list[list[int]]):
+    assert parse_core_lists(spec) == lists
+
+
+@pytest.mark.parametrize("spec,fragment", [
+    ("", "is not a CPU list"), ("a", "is not a list of CPU ids"), ("0-", "is not a list"), ("0 -1", "is not a list"),
+    ("3-1", "runs backwards"), ("0,0", "names a CPU twice"), ("0||1", "'' in"), ("auto", "is not a list"),
+])
+def test_parse_core_lists_refusals(spec: str, fragment: str):
+    with pytest.raises(ValueError, match=fragment):
+        parse_core_lists(spec)
+
+
+def test_format_round_trips():
+    assert format_cores([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert format_core_lists([[0, 1], [3]]) == "0-1|3"
+    for spec in ("0-2,5", "0|1", "4-7|0-3"):
+        assert format_core_lists(parse_core_lists(spec)) == spec
+
+
+# ------------------------------------------------------------------ default placement
+def test_two_cores_one_pair_ffn_first():
+    assert derive(_flat(2), "ffn", 0, 1, 1) == [[0]]
+    assert derive(_flat(2), "attention", 0, 1, 1) == [[1]]
+
+
+def test_fewer_cores_than_engines_share_round_robin():
+    assert derive(_flat(1), "ffn", 0, 1, 1) == derive(_flat(1), "attention", 0, 1, 1) == [[0]]
+    got = [derive(_flat(2), role, rank, 2, 1) for role, rank in (("ffn", 0), ("attention", 0), ("attention", 1))]
+    assert got == [[[0]], [[1]], [[0]]]
+
+
+def test_shares_are_contiguous_and_disjoint_and_extra_cores_go_to_attention():
+    # 7 cores, 2A1F: shares 2, 2, 3 (the larger last); each keeps its last core for the engine core
+    shares = [derive(_flat(7), role, rank, 2, 1) for role, rank in (("ffn", 0), ("attention", 0), ("attention", 1))]
+    assert shares == [[[0]], [[2]], [[4, 5]]]
+    # 8 cores, 1A1F: 4 each, one kept back
+    assert derive(_flat(8), "ffn", 0, 1, 1) == [[0, 1, 2]]
+    assert derive(_flat(8), "attention", 0, 1, 1) == [[4, 5, 6]]
+
+
+def test_every_engine_gets_its_own_cores_when_there_are_enough():
+    for n in range(4, 40):
+        for a, f in ((1, 1), (2, 1), (4, 2), (3, 3)):
+            if n < a + f:
+                continue
+            seen: set[int] = set()
+            for role, count in (("ffn", f), ("attention", a)):
+                for rank in range(count):
+                    cpus = {c for ids in derive(_flat(n), role, rank, a, f) for c in ids}
+                    assert cpus and not cpus & seen, (n, a, f, role, rank)
+                    seen |= cpus
+
+
+def test_two_sockets_with_smt_one_role_per_socket_one_thread_per_core():
+    # Linux numbering on a 2-socket, 2-way SMT host: socket 0 cores 0-3 (CPUs 0-3 and siblings 8-11),
+    # socket 1 cores 4-7 (CPUs 4-7 and 12-15)
+    cpus = [Cpu(i, i % 8, (i % 8) // 4) for i in range(16)]
+    assert physical_cores(cpus)[:2] == [[0, 8], [1, 9]]
+    assert derive(cpus, "ffn", 0, 1, 1) == [[8, 9, 10]]  # socket 0, the last sibling of 3 cores, one kept back
+    assert derive(cpus, "attention", 0, 1, 1) == [[12, 13, 14]]  # socket 1
+
+
+def test_several_workers_per_engine():
+    assert derive(_flat(8), "attention", 0, 1, 1, workers=2) == [[4], [5]]  # 4 cores: 2 kept, one each
+    assert derive(_flat(12), "ffn", 0, 1, 1, workers=2) == [[0, 1], [2, 3]]
+    assert derive(_flat(2), "ffn", 0, 1, 1, workers=2) == [[0], [0]]
+
+
+def test_bad_topology_is_refused():
+    with pytest.raises(ValueError, match="out of range"):
+        derive(_flat(4), "attention", 1, 1, 1)
+    with pytest.raises(ValueError, match="no CPUs"):
+        derive([], "ffn", 0, 1, 1)
+
+
+# ------------------------------------------------------------------ front end
+def test_cpu_cores_is_accepted_and_kept():
+    allowed = format_cores(os.sched_getaffinity(0))
+    cfg = parse({"role": "ffn", "cpu_cores": allowed})
+    assert cfg.cpu_cores == allowed and parse(cfg.to_dict()) == cfg
+    assert "cpu_cores" not in parse({"role": "ffn"}).to_dict()
+
+
+@pytest.mark.parametrize("value,fragment", [
+    ("0-", "is not a list of CPU ids"), ("", "should be non-empty"), (3, "is not of type 'string'"),
+    ("2-1", "runs backwards"), ("100000", "are not among the CPUs this process may run on"),
+])
+def test_bad_cpu_cores_names_the_key(value: Any, fragment: str):
+    with pytest.raises(AfdConfigError) as err:
+        parse({"role": "attention", "cpu_cores": value})
+    assert 'additional_config["afd"]["cpu_cores"]' in str(err.value) and fragment in str(err.value)
+
+
+# ------------------------------------------------------------------ the wrapper, on vLLM's class
+def _config(afd: dict[str, Any] | None, workers: int = 1, dp: int = 1) -> SimpleNamespace:
+    """What ``OMPProcessManager.__init__`` and the wrapper read of a ``VllmConfig``."""
+    parallel = SimpleNamespace(local_world_size=workers, data_parallel_rank_local=None, _api_process_count=1,
+                               data_parallel_size=dp, data_parallel_size_local=1)
+    return SimpleNamespace(parallel_config=parallel, kv_transfer_config=None,
+                           additional_config={"afd": AfdConfig(**afd).to_dict()} if afd else {})
+
+
+def _build(config: SimpleNamespace) -> Any:
+    import inspect
+
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    manager = OMPProcessManager.__new__(OMPProcessManager)
+    cpu_binding.omp_manager_init(inspect.unwrap(OMPProcessManager.__init__), manager, config)
+    return manager
+
+
+@pytest.fixture
+def bind_env(monkeypatch: pytest.MonkeyPatch):
+    """A clean VLLM_CPU_OMP_THREADS_BIND (unset: vLLM's auto) and the allowed CPUs as this test says."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+
+    def allow(cpus: list[Cpu]) -> None:
+        monkeypatch.setattr(cpu_binding, "_allowed_cpus", lambda: cpus)
+    return allow
+
+
+def test_wrapper_places_each_role_and_restores_the_env(bind_env, caplog: pytest.LogCaptureFixture):
+    bind_env(_flat(2))
+    with caplog.at_level(logging.INFO, logger="vllm.afd"):
+        ffn = _build(_config({"role": "ffn"}))
+        attention = _build(_config({"role": "attention"}))
+    assert ffn.cpu_lists == [[0]] and attention.cpu_lists == [[1]]
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.afd"]
+    assert lines[0].startswith("AFD: ffn rank 0 worker(s) on cores 0 (derived: 2 allowed CPU(s)"), lines
+    assert lines[1].startswith("AFD: attention rank 0 worker(s) on cores 1 (derived"), lines
+
+
+def test_precedence_cpu_cores_then_env_then_derived(bind_env, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture):
+    bind_env(_flat(2))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    with caplog.at_level(logging.INFO, logger="vllm.afd"):
+        explicit = _build(_config({"role": "attention", "cpu_cores": "0"}))
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # restored
+        from_env = _build(_config({"role": "attention"}))
+    assert explicit.cpu_lists == [[0]] and not explicit.skip_setup
+    assert from_env.skip_setup and from_env.cpu_lists == []
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.afd"]
+    assert lines == ["AFD: attention rank 0 worker(s) on cores 0 (cpu_cores of the AFD config)",
+                     "AFD: attention rank 0 worker(s) not bound (nobind) (VLLM_CPU_OMP_THREADS_BIND=nobind)"]
+
+
+def test_non_loopback_host_keeps_vllms_auto(bind_env, monkeypatch: pytest.MonkeyPatch):
+    bind_env(_flat(2))
+    monkeypatch.setenv("AFD_TOKEN", "5b2e9f07c4d18a63e0f7b1c92d4a8e36")
+    config = _config({"role": "ffn", "host": "10.0.0.1"})
+    afd = AfdConfig(**config.additional_config["afd"])
+    mask, source = cpu_binding.choose(afd, config)
+    assert mask is None and "not loopback" in source
+
+
+def test_wrong_list_count_names_the_key(bind_env):
+    bind_env(_flat(2))
+    with pytest.raises(AfdConfigError, match=r'\["cpu_cores"\]: \'0\|1\' has 2 CPU list\(s\) for 1 worker'):
+        _build(_config({"role": "ffn", "cpu_cores": "0|1"}))
+
+
+def test_engine_without_afd_is_vllms_own(bind_env, monkeypatch: pytest.MonkeyPatch):
+    bind_env(_flat(2))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    plain = _build(_config(None))
+    assert plain.cpu_lists == [[1]]  # what vLLM parsed from the variable, nothing of AFD's
