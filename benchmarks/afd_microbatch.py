@@ -16,8 +16,8 @@ engine cores are not pinned. Then ``--rounds`` rounds of ``--requests`` concurre
 ``--tokens`` tokens each (``ignore_eos``), the order of the setups rotating every round, each
 ``SETTLE_S`` after the previous; every round checks that each AFD setup's completions equal plain's.
 
-Reported per setup: tok/s per round and the median, the ratio to ``plain`` and to ``afd-n1``, TPOT as the
-median batch wall time divided by ``--tokens`` (every request of a batch runs the whole batch), CPU seconds
+Reported per setup: tok/s per round and the median, the ratio to ``plain`` and to ``afd-n1``, TPOT as
+``--requests`` / median tok/s (the requests of a batch decode side by side for its whole length), CPU seconds
 per generated token over the setup's own rounds (all of its processes), and for AFD the mean micro-batches
 per step and the FFN time hidden behind attention (``vllm:afd_micro_batches`` / ``vllm:afd_steps`` and
 ``vllm:afd_ffn_hidden_fraction`` from the attention server's ``/metrics``, over the whole run).
@@ -69,7 +69,6 @@ class Setup:
         self.micro_batches, self.ranks = micro_batches, ranks
         self.servers: list[Server] = []
         self.cpu = 0.0  # CPU seconds over this setup's own rounds
-        self.walls: list[float] = []
 
     @property
     def afd(self) -> bool:
@@ -142,9 +141,7 @@ def run_model(name: str, args: argparse.Namespace, trace: Path | None) -> None:
                 for s in order:
                     time.sleep(SETTLE_S)
                     before = s.cpu_seconds()
-                    t0 = time.perf_counter()
                     rate, texts[s.label] = load(s.ports, model, args.requests, args.tokens)
-                    s.walls.append(time.perf_counter() - t0)
                     s.cpu += s.cpu_seconds() - before
                     tps[s.label].append(rate)
                 loadavg.append(os.getloadavg()[0])
@@ -194,7 +191,7 @@ def report(name: str, args: argparse.Namespace, setups: list[Setup], tps: dict[s
         tokens = args.requests * args.tokens * len(rates)
         line = (f"{s.label:10s} tok/s {', '.join(f'{x:6.0f}' for x in rates)}  median {median(rates):6.0f}  "
                 f"x plain {median(rates) / plain:.2f}  x n1 {median(rates) / n1:.2f}  "
-                f"TPOT {1000 * median(s.walls) / args.tokens:6.2f} ms  CPU/token {1000 * s.cpu / tokens:.2f} ms")
+                f"TPOT {1000 * args.requests / median(rates):6.2f} ms  CPU/token {1000 * s.cpu / tokens:.2f} ms")
         if s.label in overlap:
             per_step, hidden = overlap[s.label]
             line += f"  micro-batches/step {per_step:.2f}  FFN hidden {hidden:.2f}"

@@ -4,7 +4,8 @@
 
 One lane per attention micro-batch and one for the FFN, on the time axis of the files (milliseconds from
 the step's first event): ``attention`` blue, ``send`` grey, ``wait`` red, ``ffn`` green, each labelled with
-its layer. Without ``--step`` the step with the most tokens on the FFN among the last ten is drawn. Reads
+its layer. Without ``--step`` it draws, among the steps split into the most micro-batches, the one with the
+most tokens on the FFN. Reads
 the files as data (JSON events only); draws with Pillow (a vLLM dependency).
 """
 
@@ -22,9 +23,9 @@ LANE_H, PAD, LEFT, WIDTH = 34, 8, 150, 1400
 
 
 def load(directory: Path) -> list[dict[str, Any]]:
-    """Every complete event of the ``afd-trace-*.json`` files under ``directory``."""
+    """Every complete event of the ``*afd-trace-*.json`` files under ``directory``."""
     events: list[dict[str, Any]] = []
-    for path in sorted(directory.glob("afd-trace-*.json")):
+    for path in sorted(directory.glob("*afd-trace-*.json")):
         text = path.read_text().rstrip().rstrip(",")
         rows = json.loads(text + ("]" if not text.endswith("]") else ""))
         events.extend(e for e in rows if isinstance(e, dict) and e.get("ph") == "X")
@@ -32,12 +33,15 @@ def load(directory: Path) -> list[dict[str, Any]]:
 
 
 def pick_step(events: list[dict[str, Any]]) -> int:
+    """Among the steps that ran in the most micro-batches, the one with the most FFN tokens; ties: the latest."""
     tokens: dict[int, int] = {}
+    lanes: dict[int, set[int]] = {}
     for e in events:
+        step = e["args"]["step"]
         if e["name"] == "ffn":
-            tokens[e["args"]["step"]] = tokens.get(e["args"]["step"], 0) + e["args"].get("tokens", 0)
-    recent = sorted(tokens)[-10:]
-    return max(recent, key=lambda s: tokens[s])
+            tokens[step] = tokens.get(step, 0) + e["args"].get("tokens", 0)
+        lanes.setdefault(step, set()).add(e["args"]["microbatch"])
+    return max(tokens, key=lambda s: (len(lanes[s]), tokens[s], s))
 
 
 def render(events: list[dict[str, Any]], step: int, out: Path, title: str) -> None:
