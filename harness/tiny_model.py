@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,15 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
         "use_qkv_bias": False, "use_qk_norm": False, "norm_head": False, "embedding_dropout": 0.0,
         "first_k_dense_replace": 1, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "num_shared_experts": 1, "norm_topk_prob": True}),
+    # LongCat-Flash (written by ``_longcat_flash_tensors``): 2 decoder layers of two MLA attention sublayers
+    # (``num_layers``; transformers derives ``num_hidden_layers`` = 4), two dense ``mlps`` and one MoE of 4
+    # experts + 2 identity zero experts (top-2, correction bias, routed scaling 2.5). bfloat16: on an AMX CPU
+    # vLLM's MLA backend is AMX_MLA, which refuses float32 weights (plain vLLM then fails before the MoE).
+    "longcat_flash": ("LongcatFlash", {
+        "model_type": "longcat_flash", "torch_dtype": "bfloat16", "num_hidden_layers": DROP, "num_layers": 2,
+        **_MLA, "q_lora_rank": 48, "n_routed_experts": 4, "zero_expert_num": 2, "zero_expert_type": "identity",
+        "moe_topk": 2, "expert_ffn_hidden_size": 32, "routed_scaling_factor": 2.5, "mla_scale_q_lora": True,
+        "mla_scale_kv_lora": True, "rms_norm_eps": 1e-6, "hidden_act": "silu"}),
 }
 CONFIG_CLASS = {"llama4": "Llama4TextConfig"}  # where the config class is not ``<Prefix>Config``
 ARCHES = tuple(FAMILIES)
@@ -130,6 +140,8 @@ WIDE: dict[str, dict[str, int]] = {  # vocab 2048 and 64 positions: the rotary c
                    "moe_intermediate_size": 96, "intermediate_size": 8192},
     "bailing_moe": {"vocab_size": 2048, "max_position_embeddings": 64, "num_experts": 128,
                     "moe_intermediate_size": 96, "intermediate_size": 8192},
+    "longcat_flash": {"vocab_size": 2048, "max_position_embeddings": 64, "intermediate_size": 8192,
+                      "n_routed_experts": 128, "expert_ffn_hidden_size": 96},
 }
 
 
@@ -162,13 +174,10 @@ def _step3_text_tensors(c: dict[str, Any], torch: Any) -> dict[str, Any]:
             for name, shape in shapes.items()}
 
 
-def _bailing_moe_tensors(c: dict[str, Any], torch: Any) -> dict[str, Any]:
-    """Bailing-MoE's tensors under the names vLLM's ``BailingMoeForCausalLM`` loads: fused
-    ``query_key_value``, ``dense``; ``mlp`` dense below ``first_k_dense_replace``, else router ``gate``,
-    ``shared_experts`` and per-expert MLPs; norms are ones."""
-    h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    experts, moe_inter = c["num_experts"], c["moe_intermediate_size"]
+def _drawers(c: dict[str, Any], torch: Any) -> tuple[Callable[..., Any], Callable[[str, int], dict[str, Any]]]:
+    """``rand(*shape)`` (std ``initializer_range``) and ``mlp(prefix, size)`` (a gated MLP's three weights over
+    ``hidden_size``) for the hand-built checkpoints."""
+    h = c["hidden_size"]
 
     def rand(*shape: int) -> Any:
         return torch.randn(*shape) * c["initializer_range"]
@@ -176,6 +185,18 @@ def _bailing_moe_tensors(c: dict[str, Any], torch: Any) -> dict[str, Any]:
     def mlp(prefix: str, size: int) -> dict[str, Any]:
         return {f"{prefix}.gate_proj.weight": rand(size, h), f"{prefix}.up_proj.weight": rand(size, h),
                 f"{prefix}.down_proj.weight": rand(h, size)}
+
+    return rand, mlp
+
+
+def _bailing_moe_tensors(c: dict[str, Any], torch: Any) -> dict[str, Any]:
+    """Bailing-MoE's tensors under the names vLLM's ``BailingMoeForCausalLM`` loads: fused
+    ``query_key_value``, ``dense``; ``mlp`` dense below ``first_k_dense_replace``, else router ``gate``,
+    ``shared_experts`` and per-expert MLPs; norms are ones."""
+    h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    experts, moe_inter = c["num_experts"], c["moe_intermediate_size"]
+    rand, mlp = _drawers(c, torch)
 
     tensors = {"model.word_embeddings.weight": rand(vocab, h), "model.norm.weight": torch.ones(h),
                "lm_head.weight": rand(vocab, h)}
@@ -194,7 +215,41 @@ def _bailing_moe_tensors(c: dict[str, Any], torch: Any) -> dict[str, Any]:
     return tensors
 
 
-HAND_BUILT = {"Step3Text": _step3_text_tensors, "BailingMoe": _bailing_moe_tensors}  # prefix -> tensors
+def _longcat_flash_tensors(c: dict[str, Any], torch: Any) -> dict[str, Any]:
+    """LongCat-Flash's tensors under the names vLLM's ``FlashModel.load_weights`` reads: per decoder layer
+    two MLA ``self_attn.{0,1}`` (q LoRA), norms ``input_layernorm.{0,1}`` / ``post_attention_layernorm.{0,1}``,
+    dense ``mlps.{0,1}``, and ``mlp``: router ``classifier`` over real + zero experts with its
+    ``e_score_correction_bias`` (random), per-expert MLPs; norms are ones."""
+    h, heads, vocab = c["hidden_size"], c["num_attention_heads"], c["vocab_size"]
+    q_lora, kv_lora, rope = c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+    nope, v, experts = c["qk_nope_head_dim"], c["v_head_dim"], c["n_routed_experts"]
+    rand, mlp = _drawers(c, torch)
+
+    tensors = {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": torch.ones(h),
+               "lm_head.weight": rand(vocab, h)}
+    for i in range(c["num_layers"]):
+        p = f"model.layers.{i}"
+        for j in range(2):
+            a = f"{p}.self_attn.{j}"
+            tensors |= {f"{p}.input_layernorm.{j}.weight": torch.ones(h),
+                        f"{p}.post_attention_layernorm.{j}.weight": torch.ones(h),
+                        f"{a}.q_a_proj.weight": rand(q_lora, h), f"{a}.q_a_layernorm.weight": torch.ones(q_lora),
+                        f"{a}.q_b_proj.weight": rand(heads * (nope + rope), q_lora),
+                        f"{a}.kv_a_proj_with_mqa.weight": rand(kv_lora + rope, h),
+                        f"{a}.kv_a_layernorm.weight": torch.ones(kv_lora),
+                        f"{a}.kv_b_proj.weight": rand(heads * (nope + v), kv_lora),
+                        f"{a}.o_proj.weight": rand(h, heads * v)}
+            tensors |= mlp(f"{p}.mlps.{j}", c["intermediate_size"])
+        routed = experts + c["zero_expert_num"]
+        tensors |= {f"{p}.mlp.router.classifier.weight": rand(routed, h),
+                    f"{p}.mlp.router.e_score_correction_bias": torch.randn(routed) * 0.5}
+        for e in range(experts):
+            tensors |= mlp(f"{p}.mlp.experts.{e}", c["expert_ffn_hidden_size"])
+    return tensors
+
+
+HAND_BUILT = {"Step3Text": _step3_text_tensors, "BailingMoe": _bailing_moe_tensors,  # prefix -> tensors
+              "LongcatFlash": _longcat_flash_tensors}
 
 
 def _gpt_oss_rope(fields: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ Group
 Messages
     One header (``wire``) per tensor, carrying layer, step and micro-batch; a zero-row tensor (an idle
     attention rank's step) is a header alone. Every received header passes ``wire.Limits`` (layer within
-    the model's layers, micro-batch, dtype, ``(tokens, hidden_size)``, token and byte bounds) before a byte
+    the model's exchanges per step, micro-batch, dtype, ``(tokens, hidden_size)``, token and byte bounds) before a byte
     of payload is allocated; a violation raises ``wire.BadMessage`` and breaks this group only.
 
 Failures
@@ -110,7 +110,8 @@ class TorchDistConnector(Connector):
             DEFAULT_INLINE_BYTES if self.backend == "gloo" else 0)
         self.schedule = opts.schedule
         ident = self.identity
-        self.limits = wire.Limits(ident.get("num_hidden_layers"), ident.get("hidden_size"), ident.get("dtype"),
+        exchanges = ident.get("exchanges_per_step") or ident.get("num_hidden_layers")  # a header's layer bound
+        self.limits = wire.Limits(exchanges, ident.get("hidden_size"), ident.get("dtype"),
                                   ident.get("max_num_batched_tokens"), opts.micro_batches, self.inline_bytes)
         try:
             self.token = auth.load_token(config.token_file)

@@ -30,6 +30,14 @@ the role from ``vllm_config.additional_config["afd"]`` and:
 - A decoder layer that builds a second FFN module and adds its output to the
   first's (Step-3's ``share_expert``) names it in ``afd_folded_ffn_attrs``: its
   proxy returns zeros without exchanging, and the FFN role computes the sum.
+- A decoder layer that calls several FFN modules with attention in between
+  (LongCat-Flash: its MoE and ``mlps[0]`` on one input, then the second attention,
+  then ``mlps[1]``) lists their paths in ``afd_exchange_slots``, in call order: each
+  is exchanged on its own, module ``k`` of layer ``L`` under exchange index
+  ``L * len(afd_exchange_slots) + k`` (the ``layer`` integer of ``afd::exchange``
+  and of the wire header, which the connector bounds by
+  ``afd_exchanges_per_step()``, part of the roles' identity). A step then makes
+  that many round trips per layer; the FFN role holds no state between them.
 
 Limits: no pipeline parallelism (every layer must be local), no LoRA on FFN
 modules; on CUDA only piecewise CUDA graphs (``afd_patches.compat.compilation``). The
@@ -106,13 +114,15 @@ class AfdLink:
     """
 
     def __init__(self, num_layers: int = 0, hidden_size: int = 0, dtype: torch.dtype = torch.float32,
-                 folded_attrs: frozenset[str] = frozenset()) -> None:
+                 folded_attrs: frozenset[str] = frozenset(), slots: tuple[str, ...] = ()) -> None:
         self.connector: Connector | None = None
         self.folded_attrs = folded_attrs  # FFN modules whose proxies add nothing (``afd_folded_ffn_attrs``)
+        self.slots = slots  # FFN modules exchanged one by one per layer (``afd_exchange_slots``)
         self.step = -1
         self.exchanges = 0
         self.idle_steps = 0
         self.num_layers = num_layers
+        self.num_exchanges = num_layers * max(1, len(slots))  # per step
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.lock = threading.RLock()
@@ -128,6 +138,15 @@ class AfdLink:
         with self.lock:
             old, self.connector, self.down = self.connector, connector, (None if connector else down)
         return old
+
+    def exchange_index(self, layer: int, path: str) -> int:
+        """The exchange index of the FFN module at ``path`` under decoder layer ``layer`` (``layer`` itself
+        unless the family has ``slots``); ``ValueError`` for a module that is not exchanged."""
+        if not self.slots:
+            return layer
+        if path not in self.slots:
+            raise ValueError(f"AFD: an FFN module was built at layers.{layer}.{path}, not one of {self.slots}")
+        return layer * len(self.slots) + self.slots.index(path)
 
     def begin_step(self) -> int:
         self.step += 1
@@ -209,8 +228,8 @@ class AfdLink:
                 return False
             self.begin_step()
             empty = torch.empty((0, self.hidden_size), dtype=self.dtype)
-            for layer in range(self.num_layers):
-                self.exchange(empty, layer)
+            for index in range(self.num_exchanges):
+                self.exchange(empty, index)
             self.idle_steps += 1
             self.last_active = time.monotonic()
             return True
@@ -226,6 +245,9 @@ class AfdFfnProxy(nn.Module):
     ``folded``: it stands for a module whose output the FFN role adds into the exchanged one (a
     shared expert that vLLM's decoder layer sums with the MoE output), so it returns zeros and
     exchanges nothing; the decoder layer's sum then equals the FFN role's exactly (``0 + y == y``).
+
+    ``layer`` is its exchange index: the decoder layer's index, or for a family with
+    ``afd_exchange_slots`` the slot's (see the module docstring).
     """
 
     def __init__(self, link: AfdLink, layer: int, folded: bool = False) -> None:
@@ -254,7 +276,7 @@ class _NoExperts:
 
 _BUILDING = threading.local()  # .link: the AfdLink of the attention model this thread is building
 _PROXY_TYPES: dict[tuple[type, bool], type] = {}
-_LAYER_OF_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.([^.]+)$")
+_LAYER_OF_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.([^.]+(?:\.\d+)?)$")  # layer, path (``mlps.0``)
 
 
 def _proxy_init(self: AfdFfnProxy, *args: Any, **kwargs: Any) -> None:
@@ -266,7 +288,10 @@ def _proxy_init(self: AfdFfnProxy, *args: Any, **kwargs: Any) -> None:
     match = _LAYER_OF_PREFIX.search(prefix) if isinstance(prefix, str) else None
     if match is None:
         raise RuntimeError(f"AFD: an FFN module was built with prefix {prefix!r}, which names no decoder layer")
-    AfdFfnProxy.__init__(self, link, int(match.group(1)), folded=match.group(2) in link.folded_attrs)
+    layer, path = int(match.group(1)), match.group(2)
+    if not link.slots and "." in path:
+        raise RuntimeError(f"AFD: an FFN module was built with prefix {prefix!r}, which names no decoder layer")
+    AfdFfnProxy.__init__(self, link, link.exchange_index(layer, path), folded=path in link.folded_attrs)
 
 
 def proxy_type(ffn_cls: type[nn.Module], moe: bool = False) -> type[AfdFfnProxy]:
@@ -360,6 +385,9 @@ class AfdCausalLMMixin(nn.Module):
     # FFN modules vLLM's decoder layer builds besides the exchanged one and adds to its output (Step-3's
     # ``share_expert``): the FFN role computes them with it (``afd_ffn_of``), their proxies return zeros.
     afd_folded_ffn_attrs: ClassVar[tuple[str, ...]] = ()
+    # FFN modules (paths under a decoder layer) vLLM's decoder layer calls one after another with attention in
+    # between, in call order, each exchanged on its own (LongCat-Flash); empty: one exchange per layer.
+    afd_exchange_slots: ClassVar[tuple[str, ...]] = ()
     afd_needs_forward_context: ClassVar[bool] = False  # e.g. FusedMoE looks itself up in it
     _FFN_WEIGHT: ClassVar[re.Pattern[str]] = re.compile(r"(^|\.)layers\.\d+\.mlp\.")  # from afd_ffn_attr
 
@@ -380,8 +408,8 @@ class AfdCausalLMMixin(nn.Module):
         cfg = afd_config_of(vllm_config)
         if cfg.role == ATTENTION:
             hf_config = vllm_config.model_config.hf_text_config
-            link = AfdLink(hf_config.num_hidden_layers, hf_config.hidden_size, vllm_config.model_config.dtype,
-                           frozenset(self.afd_folded_ffn_attrs))
+            link = AfdLink(self.afd_num_layers(hf_config), hf_config.hidden_size, vllm_config.model_config.dtype,
+                           frozenset(self.afd_folded_ffn_attrs), self.afd_exchange_slots)
             with _building(link):  # the family's scoped-rebind entry binds the FFN classes to proxies now
                 super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
             self.afd_role = ATTENTION
@@ -424,12 +452,27 @@ class AfdCausalLMMixin(nn.Module):
                           self.afd_build_ffn(vllm_config, layer, f"{prefix}.{self.afd_ffn_attr}"))
         return holder
 
+    def afd_num_layers(self, hf_config: Any) -> int:
+        """How many decoder layers vLLM's model builds (default ``num_hidden_layers``)."""
+        return int(hf_config.num_hidden_layers)
+
     def afd_describe_experts(self, blocks: list[nn.Module]) -> None:
         """FFN role: set the architecture's expert counts from its MoE ``blocks`` (in layer order, maybe [])."""
 
     # ---- construction ---------------------------------------------------
     def _afd_layers(self) -> nn.ModuleList:
         return self.model.layers  # type: ignore[no-any-return, union-attr, attr-defined]
+
+    def _afd_exchanged(self) -> list[nn.Module | None]:
+        """The module behind each exchange index, in index order: per decoder layer its ``afd_exchange_slots``
+        (``get_submodule``), or ``afd_ffn_of`` when there are none."""
+        if not self.afd_exchange_slots:
+            return [self.afd_ffn_of(layer) for layer in self._afd_layers()]
+        return [layer.get_submodule(path) for layer in self._afd_layers() for path in self.afd_exchange_slots]
+
+    def afd_exchanges_per_step(self) -> int:
+        """Exchanges one forward step makes: decoder layers x ``afd_exchange_slots`` (at least one each)."""
+        return len(self._afd_layers()) * max(1, len(self.afd_exchange_slots))
 
     def afd_check_attention_layers(self) -> None:
         """Attention role, after construction: every decoder layer is local and holds a proxy as its FFN."""
@@ -438,11 +481,11 @@ class AfdCausalLMMixin(nn.Module):
         layers = self._afd_layers()
         if any(isinstance(layer, PPMissingLayer) for layer in layers):
             raise ValueError("AFD does not support pipeline parallelism (some decoder layers are not local)")
-        for idx, layer in enumerate(layers):
-            ffn = self.afd_ffn_of(layer)
+        slots = self.afd_exchange_slots or (self.afd_ffn_attr,)
+        for idx, ffn in enumerate(self._afd_exchanged()):
             if not isinstance(ffn, AfdFfnProxy) or ffn.layer != idx or ffn.folded:
-                raise RuntimeError(f"AFD attention role: decoder layer {idx} built {type(ffn).__name__} as "
-                                   f"{self.afd_ffn_attr!r}, not a proxy; this vLLM builds its FFN modules "
+                raise RuntimeError(f"AFD attention role: decoder layer {idx // len(slots)} built {type(ffn).__name__} "
+                                   f"as {slots[idx % len(slots)]!r}, not a proxy; this vLLM builds its FFN modules "
                                    "in a way AFD does not support, or the family's scoped-rebind manifest entry "
                                    "is not applied in this process (see patchkit.applied())")
 
@@ -471,7 +514,7 @@ class AfdCausalLMMixin(nn.Module):
         self.quant_config = vllm_config.quant_config
         base = maybe_prefix(prefix, "model")
         layers = nn.ModuleList()
-        for idx in range(hf_config.num_hidden_layers):
+        for idx in range(self.afd_num_layers(hf_config)):
             layers.append(self.afd_build_ffn_layer(vllm_config, idx, f"{base}.layers.{idx}"))
         self.model = nn.Module()
         self.model.layers = layers
@@ -502,7 +545,7 @@ class AfdCausalLMMixin(nn.Module):
         (``afd_patches.models.ffn_compile``); ``afd_ffn`` runs the compiled ones from then on. Seconds spent."""
         from afd_patches.models import ffn_compile
 
-        modules = [self.afd_ffn_of(layer) for layer in self._afd_layers()]
+        modules = self._afd_exchanged()
         calls, seconds = ffn_compile.compile_ffn_modules(modules, self.vllm_config, self._afd_run_ffn,
                                                          self.vllm_config.model_config.get_hidden_size(), device, dtype)
         self._afd_ffn_calls = calls
@@ -510,9 +553,15 @@ class AfdCausalLMMixin(nn.Module):
         return seconds
 
     def afd_ffn(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """FFN role: run layer ``layer``'s FFN on ``hidden`` ([tokens, hidden]), compiled if ``afd_compile_ffn`` ran."""
+        """FFN role: run exchange index ``layer``'s FFN (the decoder layer's, or one slot's) on ``hidden``
+        ([tokens, hidden]), compiled if ``afd_compile_ffn`` ran."""
         calls = self._afd_ffn_calls
-        call = calls[layer] if calls else self.afd_ffn_of(self._afd_layers()[layer])
+        if calls:
+            call = calls[layer]
+        elif slots := self.afd_exchange_slots:
+            call = self._afd_layers()[layer // len(slots)].get_submodule(slots[layer % len(slots)])
+        else:
+            call = self.afd_ffn_of(self._afd_layers()[layer])
         return self._afd_run_ffn(call, hidden)
 
     def _afd_run_ffn(self, call: Any, hidden: torch.Tensor) -> torch.Tensor:

@@ -99,8 +99,9 @@ FORM_RETRY_S = 1.0  # FFN: pause after a group that did not form, doubled per fa
 FORM_RETRY_MAX_S = 10.0  # ... up to this (a right peer arriving then waits at most this long)
 
 
-def model_identity(vllm_config: Any) -> dict[str, Any]:
-    """What both roles must agree on: architecture, layer count, hidden size, dtype, max batched tokens.
+def model_identity(vllm_config: Any, model: Any = None) -> dict[str, Any]:
+    """What both roles must agree on: architecture, layer count, hidden size, dtype, max batched tokens, and
+    with the AFD ``model`` the exchanges per step (``afd_exchanges_per_step``: the bound of a header's layer).
 
     Read from vLLM's model and scheduler config (after ``hf_overrides``), so it
     costs nothing and is the same on both roles for the same checkpoint and
@@ -111,7 +112,7 @@ def model_identity(vllm_config: Any) -> dict[str, Any]:
     mc = vllm_config.model_config
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
     archs = list(getattr(mc, "architectures", None) or getattr(hf, "architectures", None) or [])
-    return {
+    identity = {
         "architecture": archs[0] if archs else None,
         "num_hidden_layers": getattr(hf, "num_hidden_layers", None),
         "hidden_size": getattr(hf, "hidden_size", None),
@@ -119,6 +120,9 @@ def model_identity(vllm_config: Any) -> dict[str, Any]:
         "max_num_batched_tokens": getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens",
                                           None),
     }
+    if model is not None:
+        identity["exchanges_per_step"] = model.afd_exchanges_per_step()
+    return identity
 
 
 def build_connector(cfg: AfdConfig, identity: dict[str, Any] | None = None) -> Connector:
@@ -140,7 +144,7 @@ def _tensor_bytes(obj: Any) -> int:
 
 
 # The names under which the AFD families' decoder layers hold FFN modules (and FusedMoE its experts).
-FFN_ATTRS = ("mlp", "experts", "block_sparse_moe", "moe", "share_expert", "feed_forward")
+FFN_ATTRS = ("mlp", "mlps", "experts", "block_sparse_moe", "moe", "share_expert", "feed_forward")
 
 
 def _param_summary(model: torch.nn.Module) -> dict[str, Any]:
@@ -218,7 +222,7 @@ class AttentionRoleMixin(_RoleBase):
             raise RuntimeError(
                 f"AFD attention role needs an AFD<Arch> model, got {type(model).__name__}; "
                 "select it with hf_overrides={'architectures': ['AFD<Arch>']}")
-        identity = model_identity(self.vllm_config)
+        identity = model_identity(self.vllm_config, model)
         connector = build_connector(cfg, identity)
         metrics.start_writer("attention", cfg.rank)
         trace.TRACER.start("attention", cfg.rank)
@@ -333,7 +337,7 @@ class FfnRoleMixin(_RoleBase):
         if not hasattr(model, "afd_ffn"):
             raise RuntimeError(f"AFD FFN role needs an AFD<Arch> model, got {type(model).__name__}")
         self._afd_cfg = cfg
-        self._afd_identity = model_identity(self.vllm_config)
+        self._afd_identity = model_identity(self.vllm_config, model)
         model.afd_compile_ffn(*self._afd_placement(model))  # where vLLM compiles; a no-op otherwise
         self._afd_connector = build_connector(cfg, self._afd_identity)
         self._afd_group_ended = threading.Event()

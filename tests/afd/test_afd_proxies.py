@@ -7,6 +7,8 @@ real construction on vLLM is ``tests/integration/test_afd_construction.py``.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -55,6 +57,31 @@ def test_a_proxy_outside_an_attention_build_or_without_a_layer_prefix_is_refused
         proxy_type(FakeMlp)(4, prefix="model.layers.0.mlp")
     with _building(AfdLink()), pytest.raises(RuntimeError, match="names no decoder layer"):
         proxy_type(FakeMlp)(4, prefix="model.shared.mlp")
+
+
+def test_exchange_slots_give_each_ffn_module_of_a_layer_its_own_exchange_index() -> None:
+    """LongCat-Flash's layout: ``mlp``, ``mlps.0``, ``mlps.1`` per layer, exchanged in that order as
+    ``3 * layer + k``; an idle step sends every index once; a module outside the slots is refused."""
+    slots = ("mlp", "mlps.0", "mlps.1")
+    link = AfdLink(2, 4, slots=slots)
+    with _building(link):
+        built = {(layer, path): (proxy_type(FakeMoe, moe=True)(config=None, prefix=f"model.layers.{layer}.{path}")
+                                 if path == "mlp" else proxy_type(FakeMlp)(4, prefix=f"model.layers.{layer}.{path}"))
+                 for layer in range(2) for path in slots}
+        with pytest.raises(ValueError, match="not one of"):
+            proxy_type(FakeMlp)(4, prefix="model.layers.0.shared_mlp")
+    assert [built[layer, path].layer for layer in range(2) for path in slots] == list(range(6))
+    assert link.num_exchanges == 6
+
+    sent: list[tuple[int, torch.Tensor]] = []  # a connector that answers every exchange with its input
+    link.connector = SimpleNamespace(send_attn_output=lambda hidden, layer, step: sent.append((layer, hidden)),
+                                     recv_ffn_output=lambda layer, step: sent[-1][1])  # type: ignore[assignment]
+    assert link.try_idle_step(0.0) and [layer for layer, _ in sent] == list(range(6))
+
+
+def test_without_slots_a_module_nested_under_a_layer_names_no_decoder_layer() -> None:
+    with _building(AfdLink(2, 4)), pytest.raises(RuntimeError, match="names no decoder layer"):
+        proxy_type(FakeMlp)(4, prefix="model.layers.0.mlps.0")
 
 
 def test_cuda_and_cpu_role_workers_leave_model_construction_to_the_model() -> None:
