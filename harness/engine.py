@@ -15,7 +15,8 @@ roles ``arch`` (the AFD architecture) and ``afd`` (the ``additional_config["afd"
 for a plain run optionally ``additional_config`` and ``hf_overrides`` as given (a run that
 asks for AFD the wrong way). Optional: ``compiled`` (default false: eager), ``multiprocessing``
 (vLLM's own process split: front end, engine core, worker; default off: one process), ``env``
-(extra environment variables), ``ffn_wait_s``, ``ready_flag`` (a file created once the engine
+(extra environment variables), ``max_num_batched_tokens`` (vLLM's; small values make mixed prefill/decode
+steps), ``ffn_wait_s``, ``ready_flag`` (a file created once the engine
 is up), ``generate`` (default true; false for an idle attention rank), ``done_flag`` (a file created once generation is
 done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
 keep an idle rank up while a busy one works). Writes ``{"tokens", "logprobs", "stats",
@@ -192,6 +193,8 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         kv_cache_memory_bytes=64 << 20,
         max_num_seqs=8,
     )
+    if spec.get("max_num_batched_tokens"):  # small: long prompts are prefilled in chunks beside decodes
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if kwargs["dtype"] == "float32" and _uses_mla(spec["model"]):
         # On a host with AMX vLLM picks its AMX MLA backend, which takes bf16/fp16 weights only
         # ("expect weight to be bfloat16, ..."); its reference CPU MLA backend runs float32 anywhere.
