@@ -9,7 +9,9 @@ the same attention with 8 experts of intermediate 1024, top-2) it starts:
 - ``afd-n1``, ``afd-n2``, ``afd-n3``: AFD 1A1F with 1, 2, 3 micro-batches (``micro_batch_min_tokens`` at
   its default), the attention worker on core ``0``, the FFN worker on core ``1``;
 - ``afd-2a-n2`` (with ``--two-attention``): AFD 2A1F, two micro-batches, ``batched``, both attention
-  workers on core ``0``, the FFN worker on core ``1``, requests alternating between the two servers.
+  workers on core ``0``, the FFN worker on core ``1``, requests alternating between the two servers;
+- ``afd-n2-min2`` (with ``--sweep``): two micro-batches split from 2 tokens on; after the rounds, batches of
+  each ``--sweep`` concurrency run on it and on ``afd-n1`` (where does a split start to pay?).
 
 Every server runs at vLLM's default compilation (``--eager``: ``--enforce-eager`` everywhere); front ends and
 engine cores are not pinned. Then ``--rounds`` rounds of ``--requests`` concurrent greedy completions of
@@ -64,9 +66,10 @@ class Setup:
     """A plain server, or an AFD deployment (FFN server, then ``ranks`` attention servers)."""
 
     def __init__(self, label: str, family: str, model: Path, work: Path, env: dict[str, str],
-                 args: argparse.Namespace, micro_batches: int = 0, ranks: int = 1) -> None:
+                 args: argparse.Namespace, micro_batches: int = 0, ranks: int = 1,
+                 min_tokens: int | None = None) -> None:
         self.label, self.family, self.model, self.work, self.env, self.args = label, family, model, work, env, args
-        self.micro_batches, self.ranks = micro_batches, ranks
+        self.micro_batches, self.ranks, self.min_tokens = micro_batches, ranks, min_tokens
         self.servers: list[Server] = []
         self.cpu = 0.0  # CPU seconds over this setup's own rounds
 
@@ -85,8 +88,11 @@ class Setup:
         if not self.afd:
             self._server("plain", PLAIN_CORES, [])
             return
+        extra = {"micro_batches": self.micro_batches}
+        if self.min_tokens is not None:
+            extra["micro_batch_min_tokens"] = self.min_tokens
         afd = {"host": HOST, "port": free_port(), "num_attention_ranks": self.ranks, "timeout_s": 600,
-               "connector_extra_config": {"micro_batches": self.micro_batches}}
+               "connector_extra_config": extra}
         arch = ["--hf-overrides", json.dumps({"architectures": [ARCH[self.family]]})]
         self._server("ffn", FFN_CORE, [*arch, "--afd-role", "ffn", "--additional-config", json.dumps({"afd": afd})])
         for rank in range(self.ranks):
@@ -128,9 +134,12 @@ def run_model(name: str, args: argparse.Namespace, trace: Path | None) -> None:
         setups += [Setup(f"afd-n{n}", family, model, work, env, args, micro_batches=n) for n in (1, 2, 3)]
         if args.two_attention:
             setups.append(Setup("afd-2a-n2", family, model, work, env, args, micro_batches=2, ranks=2))
+        if args.sweep:
+            setups.append(Setup("afd-n2-min2", family, model, work, env, args, micro_batches=2, min_tokens=2))
         tps: dict[str, list[float]] = {s.label: [] for s in setups}
         loadavg: list[float] = []
         overlap: dict[str, tuple[float, float]] = {}
+        sweep: dict[int, dict[str, list[float]]] = {}
         try:
             for s in setups:
                 s.start()
@@ -149,10 +158,21 @@ def run_model(name: str, args: argparse.Namespace, trace: Path | None) -> None:
                     if text != texts["plain"]:
                         raise SystemExit(f"{name} round {r}: {label}'s completions differ from plain's")
             overlap = {s.label: s.overlap() for s in setups if s.afd}
+            for requests in args.sweep:
+                for r in range(args.rounds):
+                    for s in setups if r % 2 else reversed(setups):
+                        if s.label in ("afd-n1", "afd-n2-min2"):
+                            time.sleep(SETTLE_S)
+                            rate, _ = load(s.ports, model, requests, args.tokens)
+                            sweep.setdefault(requests, {}).setdefault(s.label, []).append(rate)
         finally:
             for s in setups:
                 s.stop()
         report(name, args, setups, tps, loadavg, overlap)
+        for requests, rates in sweep.items():
+            n1, n2 = median(rates["afd-n1"]), median(rates["afd-n2-min2"])
+            print(f"sweep {requests:3d} concurrent (decode steps of {requests} tokens): afd-n1 {n1:6.0f} tok/s, "
+                  f"afd-n2 (min 2 tokens) {n2:6.0f} tok/s, x {n2 / n1:.2f}")
         if trace is not None:
             traces(name, family, model, work, env, args, trace)
 
@@ -208,6 +228,9 @@ def main() -> None:
     parser.add_argument("--two-attention", action="store_true", help="also AFD 2A1F with two micro-batches")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on every server")
     parser.add_argument("--trace", type=Path, help="also draw one step at N=1 and N=2 of the first model here")
+    parser.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                        help="concurrency levels at which afd-n1 and afd-n2 with micro_batch_min_tokens=2 are "
+                             "compared (where a split starts to pay), e.g. 2,4,8,16")
     args = parser.parse_args()
     for i, name in enumerate(args.models.split(",")):
         run_model(name, args, args.trace if i == 0 else None)

@@ -11,7 +11,12 @@ of that machinery runs on CPU as it is.
 ``split_afd_steps`` wraps ``_determine_batch_execution_and_padding``: inside a step of an AFD attention
 worker that asked for ``micro_batches`` > 1 (``in_step``), it answers ``should_ubatch`` when vLLM allowed
 micro-batching for this batch (its own ``_allow_microbatching`` veto: a reader of KV blocks another request
-of the same step writes) and the step has at least ``micro_batch_min_tokens`` tokens. Everything else,
+of the same step writes) and the step has at least ``micro_batch_min_tokens`` tokens, with two more vetoes
+where a split would not be exact: a model with MLA attention (DeepSeek-V2/V3: split steps gave other tokens
+on vLLM's CPU MLA backend, cause not found, docs/benchmarks.md "Micro-batches"), and a model with recurrent
+layers (Gated-DeltaNet, Mamba) when the split would cut a request, whose state would then be carried over
+the cut by a chunked scan that adds in another order (split only where slices end on request boundaries,
+e.g. every decode step). Everything else,
 vLLM's warm-up and dummy runs included, gets vLLM's answer unchanged. The attention worker sets
 ``parallel_config.ubatch_size`` to ``micro_batches`` in its own process (``ubatch_size_for``) before the KV
 cache and its metadata builders are made.
@@ -28,6 +33,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 _STEP = threading.local()  # .plan: (micro_batches, micro_batch_min_tokens) while an attention step runs
 
 
@@ -41,12 +48,28 @@ def in_step(micro_batches: int, min_tokens: int) -> Iterator[None]:
         _STEP.plan = None
 
 
-def _num_tokens(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, bool]:
-    if "num_tokens" in kwargs:
-        return int(kwargs["num_tokens"]), bool(kwargs.get("allow_microbatching", True))
+def _arguments(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    if "num_tokens" in kwargs and "num_scheduled_tokens_np" in kwargs:
+        return {"allow_microbatching": True, **kwargs}
     bound = inspect.signature(original).bind(None, *args, **kwargs)
     bound.apply_defaults()
-    return int(bound.arguments["num_tokens"]), bool(bound.arguments["allow_microbatching"])
+    return bound.arguments
+
+
+def _cache_kinds(runner: Any) -> tuple[bool, bool]:
+    """(MLA attention, recurrent state) among the runner's KV cache groups."""
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
+
+    config = getattr(runner, "kv_cache_config", None)
+    specs = [g.kv_cache_spec for g in config.kv_cache_groups] if config is not None else []
+    return any(isinstance(s, MLAAttentionSpec) for s in specs), any(isinstance(s, MambaSpec) for s in specs)
+
+
+def _cuts_a_request(scheduled: Any, num_tokens: int, micro_batches: int) -> bool:
+    """Whether vLLM's even token split (``maybe_create_ubatch_slices``) falls inside a request."""
+    ends = set(np.cumsum(scheduled).tolist())
+    step = num_tokens // micro_batches
+    return any(step * i not in ends for i in range(1, micro_batches))
 
 
 def split_afd_steps(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -56,7 +79,11 @@ def split_afd_steps(original: Callable[..., Any], runner: Any, *args: Any, **kwa
     if plan is None or result[2]:
         return result
     micro_batches, min_tokens = plan
-    num_tokens, allowed = _num_tokens(original, args, kwargs)
-    if not allowed or num_tokens < max(min_tokens, micro_batches):
+    call = _arguments(original, args, kwargs)
+    num_tokens = int(call["num_tokens"])
+    if not call["allow_microbatching"] or num_tokens < max(min_tokens, micro_batches):
+        return result
+    mla, recurrent = _cache_kinds(runner)
+    if mla or (recurrent and _cuts_a_request(call["num_scheduled_tokens_np"], num_tokens, micro_batches)):
         return result
     return (result[0], result[1], True, *result[3:])

@@ -37,12 +37,18 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("afd-ubatch")
 
 
-def _check_split(attn: dict[str, Any], ffn: dict[str, Any] | None, n: int, padded: bool = False) -> None:
-    """Split steps happened; one message per layer and micro-batch (``padded``: N per layer in every step)."""
+# MLA models run unsplit (afd_patches.compat.micro_batches: split steps were not exact on vLLM's CPU MLA backend)
+UNSPLIT = {"deepseek_v2", "deepseek_v3"}
+
+
+def _check_split(attn: dict[str, Any], ffn: dict[str, Any] | None, n: int, padded: bool = False,
+                 unsplit: bool = False) -> None:
+    """Split steps happened (``unsplit``: none did); one message per layer and micro-batch (``padded``: N per
+    layer in every step)."""
     a = attn["stats"][0]
     assert a["steps"] > 0 and a["exchanges"] == a["layers"] * a["steps"]
     forwards = a["steps"] - a["idle_steps"]  # idle (zero-token) steps are not forwards; they are never split
-    if n > 1:
+    if n > 1 and not unsplit:
         assert forwards < a["micro_batches"] <= n * forwards, "no step was split"
     else:
         assert a["micro_batches"] == forwards
@@ -63,7 +69,7 @@ def test_micro_batches_match_plain_vllm(workdir: Path, family: str, n: int) -> N
         _spec(f"{family}-ub{n}-attn", "attention", model, family, {**afd, "role": "attention"}),
     ], workdir, stagger_s=1.0)
     _assert_same_outputs(plain, attn)
-    _check_split(attn, ffn, n)
+    _check_split(attn, ffn, n, unsplit=family in UNSPLIT)
 
 
 @pytest.mark.parametrize("family,schedule", [("llama", "batched"), ("llama", "pingpong"),
