@@ -67,6 +67,12 @@ def check_front_end(engine_args: Any, raw: dict[str, Any]) -> dict[str, Any]:
             "engines; start one FFN server per FFN rank (--afd-num-ffn-ranks, --afd-rank)")
     if role != "attention":
         return raw
+    micro = (raw.get("connector_extra_config") or {}).get("micro_batches", 1)
+    if micro != 1:
+        raise AfdConfigError(
+            f'additional_config["afd"]["connector_extra_config"]["micro_batches"] {micro!r} with '
+            f"--data-parallel-size {size}: AFD micro-batches do not run under vLLM data parallelism yet (vLLM "
+            "coordinates the split across its DP ranks, dummy batches included); use micro_batches 1 there")
     out = dict(raw)
     given_a = raw.get("num_attention_ranks")
     if given_a is None:

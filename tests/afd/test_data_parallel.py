@@ -57,6 +57,13 @@ def test_ffn_role_under_dp_is_refused() -> None:
         check_front_end(_args(2), {"role": "ffn"})
 
 
+def test_micro_batches_under_dp_are_refused_naming_the_key() -> None:
+    raw = {"role": "attention", "connector_extra_config": {"micro_batches": 2}}
+    with pytest.raises(AfdConfigError, match=r'\["micro_batches"\] 2 with --data-parallel-size 2'):
+        check_front_end(_args(2), raw)
+    assert check_front_end(_args(), raw) is raw
+
+
 def test_engine_rank_comes_from_the_dp_rank() -> None:
     cfg = AfdConfig(role="attention", num_attention_ranks=2)
     assert attention_config(_vllm_config(0), cfg).rank == 0
