@@ -81,12 +81,12 @@ class Setup:
         server = Server(f"{self.label}-{name}", self.model, self.work, extra,
                         {**self.env, "VLLM_CPU_OMP_THREADS_BIND": cores}, None, eager=self.args.eager)
         self.servers.append(server)
-        server.wait_healthy()
         return server
 
     def start(self) -> None:
+        """Start the servers; an AFD group forms once all its attention servers are up, so they start together."""
         if not self.afd:
-            self._server("plain", PLAIN_CORES, [])
+            self._server("plain", PLAIN_CORES, []).wait_healthy()
             return
         extra = {"micro_batches": self.micro_batches}
         if self.min_tokens is not None:
@@ -94,10 +94,14 @@ class Setup:
         afd = {"host": HOST, "port": free_port(), "num_attention_ranks": self.ranks, "timeout_s": 600,
                "connector_extra_config": extra}
         arch = ["--hf-overrides", json.dumps({"architectures": [ARCH[self.family]]})]
-        self._server("ffn", FFN_CORE, [*arch, "--afd-role", "ffn", "--additional-config", json.dumps({"afd": afd})])
-        for rank in range(self.ranks):
-            self._server(f"attn{rank}", ATTENTION_CORE, [*arch, "--afd-role", "attention", "--afd-rank", str(rank),
-                                                         "--additional-config", json.dumps({"afd": afd})])
+        self._server("ffn", FFN_CORE, [*arch, "--afd-role", "ffn", "--additional-config",
+                                        json.dumps({"afd": afd})]).wait_healthy()
+        config = ["--additional-config", json.dumps({"afd": afd})]
+        attns = [self._server(f"attn{rank}", ATTENTION_CORE,
+                              [*arch, "--afd-role", "attention", "--afd-rank", str(rank), *config])
+                 for rank in range(self.ranks)]
+        for server in attns:
+            server.wait_healthy()
 
     @property
     def ports(self) -> list[int]:
