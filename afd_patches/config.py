@@ -39,6 +39,7 @@ class AfdConfig:
     token_file: str | None = None
     allow_unauthenticated: bool = False
     cpu_cores: str | None = None
+    compile_ffn: bool = False  # FFN role: compile its per-layer modules where vLLM compiles (did not pay, measured)
 
     @property
     def schedule(self) -> str:

@@ -3,7 +3,8 @@ equal cores, in one run with the sides rotated.
 
 For each model in ``--models`` (``tiny``: the tests' float32 Llama, hidden 64, 2 layers; ``heavy``: a
 compute-heavy Llama, hidden 1024, intermediate 4096, 4 layers, 16 heads of 64; ``heavy-moe``: a Qwen3-MoE of
-the same attention with 8 experts of intermediate 1024, top-2) it starts:
+the same attention with 8 experts of intermediate 1024, top-2; ``balanced``: the heavy Llama with intermediate
+1024, whose MLP has about as many weights as its attention) it starts:
 
 - ``plain``: plain vLLM, its worker on cores ``0-1`` (two OpenMP threads);
 - ``afd-n1``, ``afd-n2``, ``afd-n3``: AFD 1A1F with 1, 2, 3 micro-batches (``micro_batch_min_tokens`` at
@@ -56,6 +57,7 @@ HEAVY = {"hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16,
 MODELS = {  # name -> (family, config overrides)
     "tiny": ("llama", {}),
     "heavy": ("llama", {**HEAVY, "intermediate_size": 4096}),
+    "balanced": ("llama", {**HEAVY, "intermediate_size": 1024}),
     "heavy-moe": ("qwen3_moe", {**HEAVY, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 1024}),
 }
 ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM"}
@@ -78,6 +80,7 @@ class Setup:
         return self.micro_batches > 0
 
     def _server(self, name: str, cores: str, extra: list[str]) -> Server:
+        extra = [*extra, "--max-num-seqs", str(self.args.max_num_seqs)]  # the last of a repeated flag counts
         server = Server(f"{self.label}-{name}", self.model, self.work, extra,
                         {**self.env, "VLLM_CPU_OMP_THREADS_BIND": cores}, None, eager=self.args.eager)
         self.servers.append(server)
@@ -229,6 +232,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="vLLM's, on every server")
     parser.add_argument("--two-attention", action="store_true", help="also AFD 2A1F with two micro-batches")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on every server")
     parser.add_argument("--trace", type=Path, help="also draw one step at N=1 and N=2 of the first model here")

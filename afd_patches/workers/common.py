@@ -338,7 +338,11 @@ class FfnRoleMixin(_RoleBase):
             raise RuntimeError(f"AFD FFN role needs an AFD<Arch> model, got {type(model).__name__}")
         self._afd_cfg = cfg
         self._afd_identity = model_identity(self.vllm_config, model)
-        model.afd_compile_ffn(*self._afd_placement(model))  # where vLLM compiles; a no-op otherwise
+        if cfg.compile_ffn:
+            model.afd_compile_ffn(*self._afd_placement(model))  # where vLLM compiles; a no-op otherwise
+        else:
+            logger.info("AFD FFN rank %d: FFN modules run eagerly (compile_ffn is off: compiling them did not pay "
+                        "in docs/benchmarks.md)", cfg.rank)
         self._afd_connector = build_connector(cfg, self._afd_identity)
         self._afd_group_ended = threading.Event()
         metrics.start_writer("ffn", cfg.rank)

@@ -172,7 +172,8 @@ def _compiled_graphs(folder: Path) -> set[str]:
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "deepseek_v2"])
 def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) -> None:
     """At vLLM's default compilation (CPU: dynamo + inductor) on both sides: the attention model is
-    compiled around the ``afd::exchange`` operator and the FFN role compiles its per-layer modules;
+    compiled around the ``afd::exchange`` operator and the FFN role, asked to (``compile_ffn``; its default
+    is eager, see the micro-batch test), compiles its per-layer modules;
     greedy tokens and top-5 logprobs equal plain vLLM's, compiled the same way. Llama also starts the
     pair a second time on the same configuration: neither role compiles a graph with inductor again
     (no new FX-graph cache entry under vLLM's compile cache, for the attention model's AOT folder and
@@ -181,7 +182,7 @@ def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) ->
     vLLM alike -- so dynamo traces again; inductor's cache under the same folder is what is reused.)"""
     model = _build_model(workdir, family)
     (plain,) = _run_engines([_spec(f"{family}-plain-compiled", "plain", model, family, compiled=True)], workdir)
-    afd = _afd(1)
+    afd = {**_afd(1), "compile_ffn": True}
     specs = [_spec(f"{family}-ffn-compiled", "ffn", model, family, {**afd, "role": "ffn"}, compiled=True),
              _spec(f"{family}-attn-compiled", "attention", model, family, {**afd, "role": "attention"}, compiled=True)]
     ffn, attn = _run_engines([dict(s) for s in specs], workdir, stagger_s=1.0)

@@ -99,7 +99,8 @@ def test_2a1f_micro_batches_match_plain_vllm(workdir: Path, family: str, schedul
 
 def test_compiled_micro_batches_match_plain_vllm_compiled(workdir: Path) -> None:
     """At vLLM's default compilation the micro-batch threads run the compiled attention model (dynamo +
-    inductor around ``afd::exchange``); exact against plain vLLM compiled the same way."""
+    inductor around ``afd::exchange``); exact against plain vLLM compiled the same way. The FFN role runs its
+    modules eagerly by default (``compile_ffn`` off)."""
     family = "llama"
     model, _ = _model_and_plain(workdir, family)
     (plain,) = _run_engines([_spec(f"{family}-ub-plain-compiled", "plain", model, family, compiled=True)], workdir)
@@ -110,6 +111,7 @@ def test_compiled_micro_batches_match_plain_vllm_compiled(workdir: Path) -> None
     ], workdir, stagger_s=1.0)
     _assert_same_outputs(plain, attn)
     _check_split(attn, ffn, 2)
+    assert ffn["stats"][0]["ffn_compile_s"] == 0  # compile_ffn is off by default
 
 
 MIXED_PROMPTS = [[(5 * j) % 500 + 1 for j in range(40)], [5, 300, 211, 64], [9, 8, 7, 6, 5]]
