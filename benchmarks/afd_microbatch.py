@@ -7,8 +7,8 @@ the same attention with 8 experts of intermediate 1024, top-2; ``balanced``: the
 1024, whose MLP has about as many weights as its attention) it starts:
 
 - ``plain``: plain vLLM, its worker on cores ``0-1`` (two OpenMP threads);
-- ``afd-n1``, ``afd-n2``, ``afd-n3``: AFD 1A1F with 1, 2, 3 micro-batches (``micro_batch_min_tokens`` at
-  its default), the attention worker on core ``0``, the FFN worker on core ``1``;
+- ``afd-n1``, ``afd-n2``, ``afd-n3``: AFD 1A1F with 1, 2, 3 micro-batches (``micro_batch_min_tokens``
+  ``--min-tokens``, 8), the attention worker on core ``0``, the FFN worker on core ``1``;
 - ``afd-2a-n2`` (with ``--two-attention``): AFD 2A1F, two micro-batches, ``batched``, both attention
   workers on core ``0``, the FFN worker on core ``1``, requests alternating between the two servers;
 - ``afd-n2-min2`` (with ``--sweep``): two micro-batches split from 2 tokens on; after the rounds, batches of
@@ -138,9 +138,11 @@ def run_model(name: str, args: argparse.Namespace, trace: Path | None) -> None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         model = build_tokenizer(build(work / name, family, overrides=overrides), vocab_size=512)
         setups = [Setup("plain", family, model, work, env, args)]
-        setups += [Setup(f"afd-n{n}", family, model, work, env, args, micro_batches=n) for n in (1, 2, 3)]
+        setups += [Setup(f"afd-n{n}", family, model, work, env, args, micro_batches=n, min_tokens=args.min_tokens)
+                   for n in (1, 2, 3)]
         if args.two_attention:
-            setups.append(Setup("afd-2a-n2", family, model, work, env, args, micro_batches=2, ranks=2))
+            setups.append(Setup("afd-2a-n2", family, model, work, env, args, micro_batches=2, ranks=2,
+                                min_tokens=args.min_tokens))
         if args.sweep:
             setups.append(Setup("afd-n2-min2", family, model, work, env, args, micro_batches=2, min_tokens=2))
         tps: dict[str, list[float]] = {s.label: [] for s in setups}
@@ -191,7 +193,8 @@ def traces(name: str, family: str, model: Path, work: Path, env: dict[str, str],
     for n in (1, 2):
         folder = work / f"trace-n{n}"
         folder.mkdir(mode=0o700)
-        s = Setup(f"trace-n{n}", family, model, work, {**env, "AFD_TRACE_DIR": str(folder)}, args, micro_batches=n)
+        s = Setup(f"trace-n{n}", family, model, work, {**env, "AFD_TRACE_DIR": str(folder)}, args, micro_batches=n,
+                  min_tokens=args.min_tokens)
         try:
             s.start()
             load(s.ports, model, args.requests, 16)
@@ -233,6 +236,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16, help="vLLM's, on every server")
+    parser.add_argument("--min-tokens", type=int, default=8,
+                        help="micro_batch_min_tokens of the AFD setups (the default, 32, would leave a 16-request "
+                             "decode step unsplit)")
     parser.add_argument("--two-attention", action="store_true", help="also AFD 2A1F with two micro-batches")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on every server")
     parser.add_argument("--trace", type=Path, help="also draw one step at N=1 and N=2 of the first model here")

@@ -30,7 +30,9 @@ SCHEDULES = ("batched", "pingpong")  # the first is the default
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # idle is not a failure: an idle server waits as long as a deploy takes
 DEFAULT_INLINE_BYTES = 64 * 1024
 MAX_MICRO_BATCHES = 4
-DEFAULT_MICRO_BATCH_MIN_TOKENS = 8  # docs/benchmarks.md, "Micro-batches": below it a split does not pay
+# vLLM's own --dbo-decode-token-threshold default; here a 16-token step split in two did not pay (0.93-1.02x) and a
+# 64-token one did (1.11x): docs/benchmarks.md, "Micro-batches inside one attention step"
+DEFAULT_MICRO_BATCH_MIN_TOKENS = 32
 
 
 class OptionError(ValueError):
