@@ -92,7 +92,7 @@ def _serve_sequentially(port: int, model: Path) -> list[tuple[list[int], list[di
     return [_complete(port, model, prompt) for prompt in PROMPTS]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.matrix), "qwen3_moe"])  # CI time
 def test_afd_dp_attention_server_matches_plain_vllm(family: str, tmp_path: Path) -> None:
     model = build_tokenizer(build(tmp_path / family, family), vocab_size=512)
     arch = ["--hf-overrides", json.dumps({"architectures": [ARCH[family]]})]

@@ -59,8 +59,14 @@ def _check_split(attn: dict[str, Any], ffn: dict[str, Any] | None, n: int, padde
         assert f["ffn_batches"] == f["messages_received"] == a["messages_sent"]
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-@pytest.mark.parametrize("family", sorted(set(ARCH) - set(PLAIN_CANNOT_RUN)))
+# In every run: a dense, an MoE, a hybrid (splits only between requests) and an MLA family (unsplit), N = 2 and 3.
+# The rest of the family x N matrix is marked ``matrix`` (about 40 min): ``pytest -m matrix`` runs it.
+EVERY_RUN = {("llama", 2), ("llama", 3), ("qwen3_moe", 2), ("qwen3_next", 3), ("deepseek_v2", 2)}
+
+
+@pytest.mark.parametrize("family,n", [
+    pytest.param(family, n, marks=() if (family, n) in EVERY_RUN else pytest.mark.matrix)
+    for family in sorted(set(ARCH) - set(PLAIN_CANNOT_RUN)) for n in (1, 2, 3)])
 def test_micro_batches_match_plain_vllm(workdir: Path, family: str, n: int) -> None:
     model, plain = _model_and_plain(workdir, family)
     afd = _micro(_afd(1), n)
@@ -72,8 +78,10 @@ def test_micro_batches_match_plain_vllm(workdir: Path, family: str, n: int) -> N
     _check_split(attn, ffn, n, unsplit=family in UNSPLIT)
 
 
-@pytest.mark.parametrize("family,schedule", [("llama", "batched"), ("llama", "pingpong"),
-                                             ("qwen3_moe", "batched"), ("qwen3_moe", "pingpong")])
+@pytest.mark.parametrize("family,schedule", [
+    ("llama", "batched"), pytest.param("llama", "pingpong", marks=pytest.mark.matrix),
+    pytest.param("qwen3_moe", "batched", marks=pytest.mark.matrix),
+    pytest.param("qwen3_moe", "pingpong", marks=pytest.mark.matrix)])
 def test_2a1f_micro_batches_match_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
     """Two attention ranks, two micro-batches each, one FFN rank. Batched: the FFN rank batches micro-batch k
     of every rank (a step too small to split sends an empty second micro-batch, so every rank sends the same
@@ -117,7 +125,7 @@ def test_compiled_micro_batches_match_plain_vllm_compiled(workdir: Path) -> None
 MIXED_PROMPTS = [[(5 * j) % 500 + 1 for j in range(40)], [5, 300, 211, 64], [9, 8, 7, 6, 5]]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3_moe", marks=pytest.mark.matrix)])
 def test_mixed_prefill_decode_steps_split_exactly(workdir: Path, family: str) -> None:
     """With ``max_num_batched_tokens=16`` the 40-token prompt is prefilled in chunks while the short ones
     already decode, so steps mix prefill chunks and decodes, and a micro-batch boundary falls inside a
