@@ -165,7 +165,7 @@ class AfdLink:
             out = pending.wait()
             for pad in pads:
                 pad.wait()
-            self._trace(layer, 0, self._since[0], sent_at, waited_at, waited_at)
+            self._trace(layer, 0, self._since.get(0, sent_at), sent_at, waited_at, waited_at)
             return out
         baton, k = turn
         sent_at = trace.now_us()

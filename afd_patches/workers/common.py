@@ -16,7 +16,9 @@ engine starts as for an attention-free model and allocates no cache), prefix
 caching off, no warm-up forwards, never runs ``execute_model``. After the model
 is loaded a daemon thread waits for a group and serves it: receive one layer's
 hidden states from every attention rank it serves, run that layer's FFN once on
-all of them, send each rank its slice. It waits for its first group exactly as
+all of them, send each rank its slice. A micro-batch (``connector_extra_config.micro_batches``) is one
+such message; messages are served in the order they arrive, each answered with its layer, step and
+micro-batch. It waits for its first group exactly as
 for any later one: as long as ``idle_timeout_s`` (default a week) and then
 again, logging that it waits; a group whose handshake fails or times out (no
 attention rank yet, a misconfigured one, strangers holding the rendezvous) is
