@@ -78,3 +78,30 @@ def test_afd_tp2_matches_plain_vllm_tp2(workdir: Path, family: str) -> None:
     print(f"{family} 1A1F TP{TP}: tokens equal, max |dlogprob| {worst:.2e}; plain {plain['seconds']}, "
           f"attention {attn['seconds']}, ffn {ffn['seconds']}, FFN calls per TP rank "
           f"{[s['ffn_batches'] for s in ffn['stats']]}")
+
+
+MIXED_TOL = 1e-4  # FFN at TP 2, attention at TP 1: the MLP's down_proj sums two half products, plain TP 1 one
+
+
+def test_afd_ffn_tp2_with_attention_tp1(workdir: Path) -> None:
+    """The FFN role alone as a TP 2 group, serving an attention engine at TP 1. No plain vLLM runs this split, so
+    it is compared with plain vLLM at TP 1: same greedy tokens, logprobs within ``MIXED_TOL`` (the MLP's
+    row-parallel sum rounds differently; the figure is printed), and the TP accounting of the FFN side."""
+    family = "llama"
+    model = _build_model(workdir, family)
+    afd = _afd(1)
+    plain, ffn, attn = _run_engines([
+        _spec(f"{family}-plain-tp1", "plain", model, family),
+    ], workdir) + _run_engines([
+        _tp(_spec(f"{family}-ffn-tp{TP}-mixed", "ffn", model, family, {**afd, "role": "ffn"})),
+        _spec(f"{family}-attn-tp1-mixed", "attention", model, family, {**afd, "role": "attention"}),
+    ], workdir, stagger_s=1.0)
+    assert attn["tokens"] == plain["tokens"]
+    worst = max(abs(lp - a_step[tok]) for p_seq, a_seq in zip(plain["logprobs"], attn["logprobs"], strict=True)
+                for p_step, a_step in zip(p_seq, a_seq, strict=True) for tok, lp in p_step.items())
+    assert worst <= MIXED_TOL, worst
+    (a0,) = attn["stats"]
+    f0, f1 = ffn["stats"]
+    assert f0["messages_received"] == f0["messages_sent"] == a0["messages_sent"] == a0["exchanges"] > 0
+    assert f0["ffn_batches"] == f1["ffn_batches"] == a0["exchanges"] and f1["messages_sent"] == 0
+    print(f"{family} FFN TP{TP} + attention TP1: tokens equal to plain TP1, max |dlogprob| {worst:.2e}")
