@@ -144,3 +144,28 @@ def test_expert_parallel_crashes_in_vllm_cpu_plain_and_afd_alike(workdir: Path) 
         assert EP_CRASH in log, log[-3000:]
     finally:
         kill(p for p, _, _ in procs)
+
+
+def test_afd_2a2f_over_ffn_tp2_groups(workdir: Path) -> None:
+    """A:F = 2:2 where each FFN rank is a TP 2 group (two FFN engines, four FFN worker processes) serving one
+    attention engine at TP 1 each: both attention engines give plain TP 1's tokens, logprobs within
+    ``MIXED_TOL`` (as in the mixed test), and each FFN group's followers ran every call of their own leader."""
+    family = "llama"
+    model = _build_model(workdir, family)
+    afd = {**_afd(2), "num_ffn_ranks": 2}
+    (plain,) = _run_engines([_spec(f"{family}-plain-tp1-2a2f", "plain", model, family)], workdir)
+    ffns = [_tp(_spec(f"{family}-2a2f-ffn{r}", "ffn", model, family, {**afd, "role": "ffn", "rank": r}))
+            for r in range(2)]
+    attns = [_spec(f"{family}-2a2f-attn{r}", "attention", model, family, {**afd, "role": "attention", "rank": r})
+             for r in range(2)]
+    ffn0, ffn1, attn0, attn1 = _run_engines([*ffns, *attns], workdir, stagger_s=1.0)
+    for ffn, attn in ((ffn0, attn0), (ffn1, attn1)):
+        assert attn["tokens"] == plain["tokens"]
+        worst = max(abs(lp - a_step[tok]) for p_seq, a_seq in zip(plain["logprobs"], attn["logprobs"], strict=True)
+                    for p_step, a_step in zip(p_seq, a_seq, strict=True) for tok, lp in p_step.items())
+        assert worst <= MIXED_TOL, worst
+        (a0,) = attn["stats"]
+        f0, f1 = ffn["stats"]
+        assert f0["messages_received"] == a0["messages_sent"] == a0["exchanges"] > 0 and f1["messages_sent"] == 0
+        assert f0["ffn_batches"] == f1["ffn_batches"] == a0["exchanges"]
+    print("2A2F over FFN TP2 groups: both attention engines equal plain TP1's tokens")
