@@ -85,6 +85,20 @@ def test_afd_tp2_matches_plain_vllm_tp2(workdir: Path, family: str) -> None:
 MIXED_TOL = 1e-4  # FFN at TP 2, attention at TP 1: the MLP's down_proj sums two half products, plain TP 1 one
 
 
+def _check_mixed(plain: dict[str, Any], ffn: dict[str, Any], attn: dict[str, Any]) -> float:
+    """An attention engine at TP 1 served by an FFN TP 2 group: plain TP 1's tokens, logprobs within
+    ``MIXED_TOL`` (returns the largest difference), the group's follower ran every call of its leader."""
+    assert attn["tokens"] == plain["tokens"]
+    worst = max(abs(lp - a_step[tok]) for p_seq, a_seq in zip(plain["logprobs"], attn["logprobs"], strict=True)
+                for p_step, a_step in zip(p_seq, a_seq, strict=True) for tok, lp in p_step.items())
+    assert worst <= MIXED_TOL, worst
+    (a0,) = attn["stats"]
+    f0, f1 = ffn["stats"]
+    assert f0["messages_received"] == f0["messages_sent"] == a0["messages_sent"] == a0["exchanges"] > 0
+    assert f0["ffn_batches"] == f1["ffn_batches"] == a0["exchanges"] and f1["messages_sent"] == 0
+    return worst
+
+
 def test_afd_ffn_tp2_with_attention_tp1(workdir: Path) -> None:
     """The FFN role alone as a TP 2 group, serving an attention engine at TP 1. No plain vLLM runs this split, so
     it is compared with plain vLLM at TP 1: same greedy tokens, logprobs within ``MIXED_TOL`` (the MLP's
@@ -98,14 +112,7 @@ def test_afd_ffn_tp2_with_attention_tp1(workdir: Path) -> None:
         _tp(_spec(f"{family}-ffn-tp{TP}-mixed", "ffn", model, family, {**afd, "role": "ffn"})),
         _spec(f"{family}-attn-tp1-mixed", "attention", model, family, {**afd, "role": "attention"}),
     ], workdir, stagger_s=1.0)
-    assert attn["tokens"] == plain["tokens"]
-    worst = max(abs(lp - a_step[tok]) for p_seq, a_seq in zip(plain["logprobs"], attn["logprobs"], strict=True)
-                for p_step, a_step in zip(p_seq, a_seq, strict=True) for tok, lp in p_step.items())
-    assert worst <= MIXED_TOL, worst
-    (a0,) = attn["stats"]
-    f0, f1 = ffn["stats"]
-    assert f0["messages_received"] == f0["messages_sent"] == a0["messages_sent"] == a0["exchanges"] > 0
-    assert f0["ffn_batches"] == f1["ffn_batches"] == a0["exchanges"] and f1["messages_sent"] == 0
+    worst = _check_mixed(plain, ffn, attn)
     print(f"{family} FFN TP{TP} + attention TP1: tokens equal to plain TP1, max |dlogprob| {worst:.2e}")
 
 
@@ -159,13 +166,5 @@ def test_afd_2a2f_over_ffn_tp2_groups(workdir: Path) -> None:
     attns = [_spec(f"{family}-2a2f-attn{r}", "attention", model, family, {**afd, "role": "attention", "rank": r})
              for r in range(2)]
     ffn0, ffn1, attn0, attn1 = _run_engines([*ffns, *attns], workdir, stagger_s=1.0)
-    for ffn, attn in ((ffn0, attn0), (ffn1, attn1)):
-        assert attn["tokens"] == plain["tokens"]
-        worst = max(abs(lp - a_step[tok]) for p_seq, a_seq in zip(plain["logprobs"], attn["logprobs"], strict=True)
-                    for p_step, a_step in zip(p_seq, a_seq, strict=True) for tok, lp in p_step.items())
-        assert worst <= MIXED_TOL, worst
-        (a0,) = attn["stats"]
-        f0, f1 = ffn["stats"]
-        assert f0["messages_received"] == a0["messages_sent"] == a0["exchanges"] > 0 and f1["messages_sent"] == 0
-        assert f0["ffn_batches"] == f1["ffn_batches"] == a0["exchanges"]
-    print("2A2F over FFN TP2 groups: both attention engines equal plain TP1's tokens")
+    worst = max(_check_mixed(plain, ffn0, attn0), _check_mixed(plain, ffn1, attn1))
+    print(f"2A2F over FFN TP2 groups: both attention engines equal plain TP1's tokens, max |dlogprob| {worst:.2e}")
