@@ -16,7 +16,8 @@ for a plain run optionally ``additional_config`` and ``hf_overrides`` as given (
 asks for AFD the wrong way). Optional: ``compiled`` (default false: eager), ``multiprocessing``
 (vLLM's own process split: front end, engine core, worker; default off: one process), ``env``
 (extra environment variables), ``max_num_batched_tokens`` (vLLM's; small values make mixed prefill/decode
-steps), ``ffn_wait_s``, ``ready_flag`` (a file created once the engine
+steps), ``tensor_parallel_size`` and ``enable_expert_parallel`` (vLLM's; a TP engine's ``collective_rpc``
+results list its TP ranks in order), ``ffn_wait_s``, ``ready_flag`` (a file created once the engine
 is up), ``generate`` (default true; false for an idle attention rank), ``done_flag`` (a file created once generation is
 done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
 keep an idle rank up while a busy one works). Writes ``{"tokens", "logprobs", "stats",
@@ -195,6 +196,10 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     )
     if spec.get("max_num_batched_tokens"):  # small: long prompts are prefilled in chunks beside decodes
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("tensor_parallel_size", 1) > 1:  # vLLM starts one worker process per TP rank
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+    if spec.get("enable_expert_parallel"):
+        kwargs["enable_expert_parallel"] = True
     if kwargs["dtype"] == "float32" and _uses_mla(spec["model"]):
         # On a host with AMX vLLM picks its AMX MLA backend, which takes bf16/fp16 weights only
         # ("expect weight to be bfloat16, ..."); its reference CPU MLA backend runs float32 anywhere.

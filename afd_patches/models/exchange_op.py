@@ -59,6 +59,14 @@ def register(link: Exchanger) -> int:
         return len(_LINKS) - 1
 
 
+def rebind(index: int, exchanger: Exchanger) -> Exchanger:
+    """Make the op's ``link`` integer ``index`` call ``exchanger`` from now on (an attention TP rank's, see
+    ``afd_patches.workers.tp_group``); the exchanger it called before. Call it between steps."""
+    with _LINKS_LOCK:
+        old, _LINKS[index] = _LINKS[index], exchanger
+        return old
+
+
 def _exchange(hidden: torch.Tensor, link: int, layer: int) -> torch.Tensor:
     out = _LINKS[link].exchange(hidden, layer)
     if out.numel() and out.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr():

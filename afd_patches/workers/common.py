@@ -63,7 +63,11 @@ moves every received batch to the FFN model's device and activation dtype
 before the MLP runs (a connector on another device, or gloo with a CUDA model,
 hands over host tensors).
 
-Limits: one connector per worker (no TP/PP inside a role); the FFN loop runs
+Tensor parallelism (``--tensor-parallel-size``) inside a role: one AFD rank is one vLLM TP
+group whose TP rank 0 alone builds the connector; its TP peers follow it through vLLM's TP
+group (``afd_patches.workers.tp_group``).
+
+Limits: one connector per TP group (no PP inside a role); the FFN loop runs
 one FFN call at a time (pingpong overlaps one rank's attention with another's
 FFN, not two FFN calls); idle ticks cost empty
 exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
@@ -91,6 +95,7 @@ from afd_patches.connectors import REGISTRY
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout
 from afd_patches.connectors.options import Options
 from afd_patches.models.common import afd_config_of
+from afd_patches.workers import tp_group
 from afd_patches.workers.regroup import GroupKeeper
 
 logger = logging.getLogger("vllm.afd")  # under vLLM's logger: its handler, format and level (INFO)
@@ -211,11 +216,16 @@ class AttentionRoleMixin(_RoleBase):
 
     _afd_keeper: GroupKeeper | None = None
     _afd_micro = (1, 1)  # micro_batches, micro_batch_min_tokens (connector_extra_config)
+    _afd_tp_target: tp_group.AttentionLeader | tp_group.AttentionFollower | None = None  # under attention TP
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         cfg = data_parallel.attention_config(self.vllm_config, afd_config_of(self.vllm_config))
         opts = Options.parse(cfg.connector_extra_config)
         self._afd_micro = (opts.micro_batches, opts.micro_batch_min_tokens)
+        tp = tp_group.TpChannel.of_worker()
+        if tp is not None and opts.micro_batches > 1:
+            raise ValueError(f"AFD micro-batches (micro_batches={opts.micro_batches}) are not supported with "
+                             f"tensor parallelism on the attention role (--tensor-parallel-size {tp.size})")
         if opts.micro_batches > 1:  # before the KV cache: vLLM makes one metadata builder per micro-batch
             self.vllm_config.parallel_config.ubatch_size = opts.micro_batches
         super().load_model(*args, **kwargs)  # type: ignore[misc]
@@ -224,6 +234,11 @@ class AttentionRoleMixin(_RoleBase):
             raise RuntimeError(
                 f"AFD attention role needs an AFD<Arch> model, got {type(model).__name__}; "
                 "select it with hf_overrides={'architectures': ['AFD<Arch>']}")
+        if tp is not None:  # one AFD rank per TP group: its TP rank 0 exchanges, the others take its answers
+            self._afd_tp_target = tp_group.bind_attention(model.afd_link(), tp)
+            if not tp.leader:
+                logger.info("AFD attention rank %d, TP rank %d: follows its TP rank 0", cfg.rank, tp.rank)
+                return
         identity = model_identity(self.vllm_config, model)
         connector = build_connector(cfg, identity)
         metrics.start_writer("attention", cfg.rank)
@@ -272,6 +287,8 @@ class AttentionRoleMixin(_RoleBase):
 
     def afd_group_status(self) -> dict[str, Any]:
         """Whether this rank has a group now, and the last outage (see ``GroupKeeper.status``)."""
+        if isinstance(self._afd_tp_target, tp_group.AttentionFollower):
+            return tp_group.follower_status(self._afd_tp_target.channel.rank)
         if self._afd_keeper is None:
             return {"role": "attention", "up": False, "error": "AFD: the attention worker has no group yet",
                     "since": None, "outages": 0, "reformations": 0, "address": None}
@@ -286,6 +303,10 @@ class AttentionRoleMixin(_RoleBase):
             if self._afd_keeper is not None:
                 stats["messages_sent"], stats["messages_received"] = self._afd_keeper.messages()
                 stats["group"] = self._afd_keeper.status()
+            if self._afd_tp_target is not None:
+                stats["tp_rank"] = self._afd_tp_target.channel.rank
+                if isinstance(self._afd_tp_target, tp_group.AttentionFollower):
+                    stats["tp_answers_taken"] = self._afd_tp_target.exchanges
             return stats
         finally:
             if locked:
@@ -314,6 +335,7 @@ class FfnRoleMixin(_RoleBase):
     _afd_group_error: ConnectorError | None = None  # what ended the last group, when not a clean close
     _afd_batches = 0
     _afd_failed_forms = 0  # formations that failed in a row (their retries back off)
+    _afd_tp: tp_group.TpChannel | None = None  # the engine's TP group (None without TP): rank 0 serves, others follow
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -345,8 +367,14 @@ class FfnRoleMixin(_RoleBase):
         else:
             logger.info("AFD FFN rank %d: FFN modules run eagerly (compile_ffn is off: compiling them did not pay "
                         "in docs/benchmarks.md)", cfg.rank)
-        self._afd_connector = build_connector(cfg, self._afd_identity)
         self._afd_group_ended = threading.Event()
+        self._afd_tp = tp_group.TpChannel.of_worker()
+        if self._afd_tp is not None and not self._afd_tp.leader:  # no connector: it runs its leader's calls
+            self._afd_thread = threading.Thread(target=self._afd_follow, args=(model,),
+                                                name=f"afd-ffn-{cfg.rank}-tp{self._afd_tp.rank}", daemon=True)
+            self._afd_thread.start()
+            return
+        self._afd_connector = build_connector(cfg, self._afd_identity)
         metrics.start_writer("ffn", cfg.rank)
         trace.TRACER.start("ffn", cfg.rank)
         self._afd_thread = threading.Thread(target=self._afd_serve, name=f"afd-ffn-{cfg.rank}", daemon=True)
@@ -365,6 +393,7 @@ class FfnRoleMixin(_RoleBase):
     def _afd_serve(self) -> None:
         """Serve one group after another until ``shutdown()`` or an error (see the module's "FFN role")."""
         model = self._afd_model()
+        leader = tp_group.FfnLeader(model, self._afd_tp) if self._afd_tp is not None else None
         groups = 0
         conn: Connector | None = self._afd_connector  # built in load_model, so shutdown() can cancel its init
         try:
@@ -381,7 +410,7 @@ class FfnRoleMixin(_RoleBase):
                         continue
                     groups += 1
                     self._afd_group_error = None
-                    self._afd_serve_group(conn, model, placement)
+                    self._afd_serve_group(conn, leader or model, placement)
                     logger.info("AFD FFN rank %d: every attention rank closed", self._afd_cfg.rank)
                 except ConnectorError as e:  # this group only: a lost peer, a refused message; serve the next
                     if self._afd_stop.is_set():
@@ -392,6 +421,8 @@ class FfnRoleMixin(_RoleBase):
                     conn.close()
                     conn = None
                     metrics.set_group_up(False)
+                if leader is not None:
+                    leader.group_ended(self._afd_group_error)
                 self._afd_group_ended.set()
         except ConnectorError as e:  # a connector that cannot be built (its settings): the message says why
             if not self._afd_stop.is_set():
@@ -400,6 +431,42 @@ class FfnRoleMixin(_RoleBase):
         except BaseException as e:  # surfaced by afd_wait()
             logger.exception("AFD FFN serve loop failed")
             self._afd_error = e
+        finally:
+            if leader is not None and not self._afd_stop.is_set():  # on shutdown each TP rank stops by itself
+                self._afd_tell_followers(leader)
+            self._afd_group_ended.set()
+            self._afd_stop_engine()
+
+    def _afd_tell_followers(self, leader: tp_group.FfnLeader) -> None:
+        """TP leader whose serve loop ended with an error: its followers stop too, with that error (best effort)."""
+        try:
+            leader.stopped(self._afd_error)
+        except Exception:
+            logger.warning("AFD FFN rank %d: could not tell its TP followers that it stopped", self._afd_cfg.rank,
+                           exc_info=True)
+
+    def _afd_follow(self, model: Any) -> None:
+        """TP rank > 0: run the FFN calls its TP leader publishes until ``shutdown()`` or the leader stops
+        (``afd_patches.workers.tp_group.follow_ffn``); a group the leader saw end ends here too, with its error."""
+        assert self._afd_tp is not None
+
+        def ended(error: str | None) -> None:
+            self._afd_group_error = None if error is None else ConnectorError(f"(reported by TP rank 0) {error}")
+            self._afd_group_ended.set()
+
+        def called() -> None:
+            self._afd_batches += 1
+
+        try:
+            if (device := self._afd_placement(model)[0]).type == "cuda":
+                torch.cuda.set_device(device)
+            error = tp_group.follow_ffn(self._afd_tp, model, self._afd_stop, ended, called)
+            if error is not None:
+                self._afd_error = RuntimeError(f"AFD FFN: the TP leader's serve loop stopped: {error}")
+        except BaseException as e:  # surfaced by afd_wait(); on shutdown vLLM may close the TP group first
+            if not self._afd_stop.is_set():
+                logger.exception("AFD FFN TP rank %d: following its leader failed", self._afd_tp.rank)
+                self._afd_error = e
         finally:
             self._afd_group_ended.set()
             self._afd_stop_engine()
@@ -445,7 +512,8 @@ class FfnRoleMixin(_RoleBase):
         return True
 
     def _afd_serve_group(self, conn: Connector, model: Any, placement: tuple[torch.device, torch.dtype]) -> None:
-        """Receive → FFN → send until every served attention rank closed cleanly (return) or an error."""
+        """Receive → FFN → send until every served attention rank closed cleanly (return) or an error.
+        ``model``: anything with the AFD model's ``afd_ffn`` (under TP the ``tp_group.FfnLeader``)."""
         device, dtype = placement
         while not self._afd_stop.is_set():
             try:
