@@ -56,7 +56,7 @@ TREE = {
 
         ORIGINALS = dict(vars(EngineArgs))
     """,
-    "fkvllm/utils.py": """
+    "fkvllm/utils/__init__.py": """
         LIMIT = 64
 
         def helper(x):
@@ -66,6 +66,11 @@ TREE = {
             return x * 2
 
         ORIGINALS = dict(globals())
+    """,
+    "fkvllm/utils/ompmultiprocessing.py": """
+        class OMPProcessManager:
+            def __init__(self, config=None):
+                self.config = config
     """,
     "fkvllm/user.py": "from fkvllm.utils import helper\n",
     "fkvllm/v1/__init__.py": "",
@@ -82,6 +87,13 @@ TREE = {
 
             async def check_health(self):
                 return None
+    """,
+    "fkvllm/v1/worker/__init__.py": "",
+    "fkvllm/v1/worker/gpu_model_runner.py": """
+        class GPUModelRunner:
+            def _determine_batch_execution_and_padding(self, num_tokens=0, num_reqs=0, num_scheduled_tokens_np=None,
+                                                       max_num_scheduled_tokens=0, allow_microbatching=True):
+                return None, None, False, None, None
     """,
     "fkvllm/model_executor/__init__.py": "",
     "fkvllm/model_executor/models/__init__.py": "",
@@ -107,6 +119,8 @@ TREE = {
     + FACTORY.format(name="afd_from_cli_args"),
     "fkafd/compat/outage.py": "CALLS = []\n" + FACTORY.format(name="step_outliving_ffn")
     + FACTORY.format(name="generate_naming_afd") + FACTORY.format(name="check_health_with_afd_group"),
+    "fkafd/compat/micro_batches.py": "CALLS = []\n" + FACTORY.format(name="split_afd_steps"),
+    "fkafd/compat/cpu_binding.py": "CALLS = []\n" + FACTORY.format(name="omp_manager_init"),
     "fkafd/extra.py": "CALLS = []\nFLAG = object()\n\ndef helper(x):\n    return ('replaced', x)\n\n"
     + FACTORY.format(name="compute_wrap"),
     "fkafd/fault_import.py": "import fk_no_such_module_anywhere\n\ndef thing(original, *a, **k):\n    return 1\n",
@@ -237,7 +251,8 @@ def tree(sandbox: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, tmp_path
 def import_tree() -> dict[str, Any]:
     return {name: importlib.import_module(name) for name in (
         "fkvllm.engine.arg_utils", "fkvllm.utils", "fkvllm.user", "fkvllm.model_executor.models.registry",
-        "fkvllm.v1.engine.core", "fkvllm.v1.engine.async_llm", *SCOPED_MODULES)}
+        "fkvllm.v1.engine.core", "fkvllm.v1.engine.async_llm", "fkvllm.v1.worker.gpu_model_runner",
+        "fkvllm.utils.ompmultiprocessing", *SCOPED_MODULES)}
 
 
 def owners(mods: dict[str, Any]) -> list[Any]:
