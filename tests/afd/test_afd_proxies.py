@@ -74,8 +74,9 @@ def test_exchange_slots_give_each_ffn_module_of_a_layer_its_own_exchange_index()
     assert link.num_exchanges == 6
 
     sent: list[tuple[int, torch.Tensor]] = []  # a connector that answers every exchange with its input
-    link.connector = SimpleNamespace(send_attn_output=lambda hidden, layer, step: sent.append((layer, hidden)),
-                                     recv_ffn_output=lambda layer, step: sent[-1][1])  # type: ignore[assignment]
+    link.connector = SimpleNamespace(  # type: ignore[assignment]
+        send_attn_output=lambda hidden, layer, step, microbatch=0: sent.append((layer, hidden)),
+        recv_ffn_output=lambda layer, step, microbatch=0: sent[-1][1])
     assert link.try_idle_step(0.0) and [layer for layer, _ in sent] == list(range(6))
 
 
