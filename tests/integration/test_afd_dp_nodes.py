@@ -201,7 +201,7 @@ def test_afd_dp_attention_over_two_nodes(family: str, tmp_path: Path) -> None:
             _wait_head(plain[0], plain_port, tmp_path / "plain-a.log", plain[1], tmp_path / "plain-b.log")
             expected = [_complete(plain_port, model, p, dp_rank=r) for p, r in zip(PROMPTS, ranks, strict=True)]
             plain_tokens = _settled(lambda: _engine_tokens(NODE_A, plain_port))
-        for proc in plain:
+        for proc in reversed(plain):  # node B first
             procs.remove(proc)
             _stop(proc)
 
