@@ -71,7 +71,7 @@ pytestmark = pytest.mark.vllm
 
 DP = 2
 NODE_A, NODE_B, AFD_HOST = "127.0.0.1", "127.0.0.2", "127.0.0.3"
-SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]  # --headless is a `vllm serve` mode only
+SERVE = [sys.executable, "-m", "harness.vllm_serve"]  # `vllm serve` (--headless is its mode only)
 ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM"}
 ENGINE_TOKENS = re.compile(r'^vllm:generation_tokens_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$')
 
@@ -136,46 +136,53 @@ def _wait_head(head: subprocess.Popen[bytes], port: int, head_log: Path, node_b:
 
 
 def _probe_before_join(afd_port: int, token: str, ffn: subprocess.Popen[bytes], ffn_log: Path) -> bytes:
-    """While the FFN rank waits for its group: what a wrong-token hello gets; 127.0.0.1 at the port is refused."""
+    """While the FFN rank waits for its group: it listens on ``AFD_HOST`` only (127.0.0.1 at the port is
+    refused); returns what a wrong-token hello gets."""
     afd_probe.wait_listening(AFD_HOST, afd_port, START_TIMEOUT_S, lambda: None if ffn.poll() is None else tail(ffn_log))
+    listen, _ = _survey({"ffn": ffn}, token)
+    assert sorted({(ip, port) for _, ip, port in listen if port == afd_port}) == [(AFD_HOST, afd_port)], listen
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((NODE_A, afd_port), timeout=5)
     return afd_probe.authenticated(AFD_HOST, afd_port, "w" * 32, {"role": "attention", "rank": 0, "fields": {}})
 
 
-def _tree(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
-    root = psutil.Process(proc.pid)
-    return [root, *root.children(recursive=True)]
+Address = tuple[str, int]
+
+
+def _survey(trees: dict[str, subprocess.Popen[bytes]], token: str) -> tuple[list[tuple[str, str, int]],
+                                                                           list[tuple[str, Address, Address]]]:
+    """Every process of every tree: ``(tree, ip, port)`` per listening TCP socket and ``(tree, local, remote)``
+    per established one; asserts that ``token`` is on no command line."""
+    listen: list[tuple[str, str, int]] = []
+    conns: list[tuple[str, Address, Address]] = []
+    for name, proc in trees.items():
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                assert token not in " ".join(p.cmdline()), f"the AFD token is on the command line of {p.pid}"
+                found = p.net_connections(kind="tcp")
+            except psutil.NoSuchProcess:
+                continue
+            for c in found:
+                if c.status == psutil.CONN_LISTEN:
+                    listen.append((name, c.laddr.ip, c.laddr.port))
+                elif c.status == psutil.CONN_ESTABLISHED and c.raddr:
+                    conns.append((name, (c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port)))
+    return listen, conns
 
 
 def _check_afd_sockets(trees: dict[str, subprocess.Popen[bytes]], afd_port: int, token: str,
                        engines: dict[str, int]) -> str:
-    """Assert AFD's binding and token rules over every process of ``trees`` (``"ffn"`` is the FFN server's);
-    ``engines``: attention engines per attention tree. Returns every tree's listeners, for the log."""
-    listen: list[tuple[str, str, int]] = []
-    links: list[tuple[str, tuple[str, int]]] = []
-    for name, proc in trees.items():
-        for p in _tree(proc):
-            try:
-                assert token not in " ".join(p.cmdline()), f"the AFD token is on the command line of {p.pid}"
-                conns = p.net_connections(kind="tcp")
-            except psutil.NoSuchProcess:
-                continue
-            for c in conns:
-                if c.status == psutil.CONN_LISTEN:
-                    listen.append((name, c.laddr.ip, c.laddr.port))
-                elif c.status == psutil.CONN_ESTABLISHED and c.raddr:
-                    links.append((name, (c.raddr.ip, c.raddr.port)))
-    on_afd_port = sorted({(name, ip) for name, ip, port in listen if port == afd_port})
-    assert on_afd_port == [("ffn", AFD_HOST)], on_afd_port
-    ffn_listens = {(ip, port) for name, ip, port in listen if name == "ffn"}
-
-    def reaches_ffn(addr: tuple[str, int]) -> bool:
-        return addr in ffn_listens or any((w, addr[1]) in ffn_listens for w in ("0.0.0.0", "::"))
-
-    to_ffn = sorted((name, addr) for name, addr in links if name != "ffn" and reaches_ffn(addr))
+    """While serving: nothing listens on the AFD port any more (on ``tcp`` FFN rank 0 closes its rendezvous
+    once the group formed), and every TCP connection between an attention tree and the FFN tree (``"ffn"``)
+    ends at ``AFD_HOST:afd_port`` on the FFN side, one per attention engine (``engines``: per tree): the
+    authenticated rendezvous session, kept as the data link. Returns every tree's listeners, for the log."""
+    listen, conns = _survey(trees, token)
+    assert not [x for x in listen if x[2] == afd_port], listen
+    ffn_ends = {(local, remote) for name, local, remote in conns if name == "ffn"}
+    links = sorted((name, remote) for name, local, remote in conns if name != "ffn" and (remote, local) in ffn_ends)
     want = sorted((name, (AFD_HOST, afd_port)) for name, n in engines.items() for _ in range(n))
-    assert to_ffn == want, (to_ffn, want)
+    assert links == want, (links, want)
     return "; ".join(f"{name}: " + ", ".join(sorted({f"{ip}:{port}" for n, ip, port in listen if n == name}))
                      for name in trees)
 
