@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -176,15 +177,16 @@ def _check_afd_sockets(trees: dict[str, subprocess.Popen[bytes]], afd_port: int,
     """While serving: nothing listens on the AFD port any more (on ``tcp`` FFN rank 0 closes its rendezvous
     once the group formed), and every TCP connection between an attention tree and the FFN tree (``"ffn"``)
     ends at ``AFD_HOST:afd_port`` on the FFN side, one per attention engine (``engines``: per tree): the
-    authenticated rendezvous session, kept as the data link. Returns every tree's listeners, for the log."""
+    authenticated rendezvous session, kept as the data link. Returns the listeners per tree and address, for
+    the log."""
     listen, conns = _survey(trees, token)
     assert not [x for x in listen if x[2] == afd_port], listen
     ffn_ends = {(local, remote) for name, local, remote in conns if name == "ffn"}
     links = sorted((name, remote) for name, local, remote in conns if name != "ffn" and (remote, local) in ffn_ends)
     want = sorted((name, (AFD_HOST, afd_port)) for name, n in engines.items() for _ in range(n))
     assert links == want, (links, want)
-    return "; ".join(f"{name}: " + ", ".join(sorted({f"{ip}:{port}" for n, ip, port in listen if n == name}))
-                     for name in trees)
+    ips = {name: Counter(ip for n, ip, _ in listen if n == name) for name in trees}
+    return "; ".join(f"{name} " + ", ".join(f"{ip} x{k}" for ip, k in sorted(c.items())) for name, c in ips.items())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
