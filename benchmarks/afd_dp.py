@@ -84,8 +84,9 @@ class Setup:
             s.stop()
 
 
-def start(args: argparse.Namespace, model: Path, work: Path, env: dict[str, str]) -> list[Setup]:
-    """Start every setup's servers (FFN servers before their attention servers) and wait for them."""
+def start(args: argparse.Namespace, model: Path, work: Path, env: dict[str, str], setups: list[Setup]) -> None:
+    """Start every setup's servers (FFN servers before their attention servers) and wait for them; each setup
+    is added to ``setups`` before its first server starts (so the caller stops it whatever fails)."""
     common = ["--max-num-seqs", str(max(args.requests))]
     arch = ["--hf-overrides", json.dumps({"architectures": [ARCH[args.family]]})]
 
@@ -97,23 +98,24 @@ def start(args: argparse.Namespace, model: Path, work: Path, env: dict[str, str]
                 "--afd-num-attention-ranks", str(DP), "--afd-timeout-s", "600"]
 
     plain = Setup("plain")
+    setups.append(plain)
     server(plain, "server", [])
-    setups = [plain]
     if args.plain_dp:
         plain_dp = Setup("plain-dp")
-        server(plain_dp, "server", ["--data-parallel-size", str(DP)])
         setups.append(plain_dp)
+        server(plain_dp, "server", ["--data-parallel-size", str(DP)])
     dp, two = Setup("afd-dp"), Setup("afd-2srv")
+    firsts = [x.servers[0] for x in setups]
+    setups += [dp, two]
     dp_port, two_port = free_port(), free_port()
     ffns = [server(dp, "ffn", afd(dp_port, "ffn"), False), server(two, "ffn", afd(two_port, "ffn"), False)]
-    for s in [*(x.servers[0] for x in setups), *ffns]:
+    for s in [*firsts, *ffns]:
         s.wait_healthy()
     server(dp, "attention", [*afd(dp_port, "attention"), "--data-parallel-size", str(DP)])
     for rank in range(DP):
         server(two, f"attention{rank}", [*afd(two_port, "attention"), "--afd-rank", str(rank)])
     for s in [*dp.servers[1:], *two.servers[1:]]:
         s.wait_healthy()
-    return [*setups, dp, two]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> None:
         model = build_tokenizer(build(work / args.family, args.family), vocab_size=512)
         setups: list[Setup] = []
         try:
-            setups = start(args, model, work, env)
+            start(args, model, work, env, setups)
             for s in setups:
                 load(s.ports, model, 4, 8)  # warm-up
             processes = {s.label: s.processes() for s in setups}

@@ -205,3 +205,13 @@ def test_a_data_parallel_engine_reports_its_dp_rank(bind_env, caplog: pytest.Log
         _build(_config({"role": "attention", "num_attention_ranks": 2}, dp=2, dp_index=1))
     lines = [r.getMessage() for r in caplog.records if r.name == "vllm.afd"]
     assert lines[0].startswith("AFD: attention rank 1 worker(s)") and "the engine is data parallel" in lines[0], lines
+
+
+def test_a_dense_dp_engine_gets_its_share_at_its_local_dp_rank(bind_env):
+    """vLLM resets a dense DP engine's data_parallel_size to 1 but slices the CPU lists at its local DP rank."""
+    bind_env(_flat(3))
+    config = _config({"role": "attention", "num_attention_ranks": 2}, dp=1, dp_index=1)
+    config.parallel_config.data_parallel_rank_local = 1
+    dp1 = _build(config)
+    dp0 = _build(_config({"role": "attention", "num_attention_ranks": 2}))
+    assert dp0.cpu_lists == [[1]] and dp1.cpu_lists == [[2]]  # FFN core 0, attention ranks 1 and 2

