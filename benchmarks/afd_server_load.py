@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -134,13 +135,23 @@ class Server:
         return (float(total.group(1)), float(count.group(1))) if total and count else (0.0, 0.0)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        """SIGTERM the server's session, SIGKILL what is left of it after 30 s; also when the server itself
+        already died (killed, say), which leaves its engine processes behind in the session."""
+        try:
             os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            self.proc.poll()
             try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
 
 
 async def _load(ports: list[int], model: Path, requests: int, tokens: int) -> tuple[float, list[str]]:

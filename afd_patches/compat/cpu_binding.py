@@ -107,8 +107,12 @@ def choose(afd: Any, vllm_config: Any) -> tuple[str | None, str]:
     if parallel.data_parallel_size > 1:
         return None, f"vLLM's {BIND_ENV}=auto: the engine is data parallel"
     cpus = _allowed_cpus()
-    lists = cores.derive(cpus, afd.role, afd.rank, afd.num_attention_ranks, afd.num_ffn_ranks,
-                         workers=parallel.local_world_size)
+    # A dense model's DP engines are independent (data_parallel_size reset to 1), but vLLM still picks this
+    # engine's lists at its local DP rank: give the lists of the attention ranks before it on this node too.
+    local = min(int(getattr(parallel, "data_parallel_rank_local", 0) or 0), afd.rank)
+    lists = [ids for r in range(afd.rank - local, afd.rank + 1)
+             for ids in cores.derive(cpus, afd.role, r, afd.num_attention_ranks, afd.num_ffn_ranks,
+                                     workers=parallel.local_world_size)]
     engines = afd.num_attention_ranks + afd.num_ffn_ranks
     return cores.format_core_lists(lists), (
         f"derived: {len(cpus)} allowed CPU(s) shared among the {engines} engines of the "
@@ -125,6 +129,10 @@ def omp_manager_init(original: Callable[..., Any], manager: Any, config: Any, *a
     from afd_patches.config import AfdConfig
 
     afd = AfdConfig(**raw)  # stored normalized (to_dict) by the front end's validate_afd_config
+    if afd.role == "attention":  # under vLLM data parallelism: this engine's rank is its DP rank
+        from afd_patches.compat import data_parallel
+
+        afd = data_parallel.attention_config(config, afd)
     mask, source = choose(afd, config)
     if mask is None:
         result = original(manager, config, *args, **kwargs)

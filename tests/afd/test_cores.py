@@ -122,10 +122,10 @@ def test_bad_cpu_cores_names_the_key(value: Any, fragment: str):
 
 
 # ------------------------------------------------------------------ the wrapper, on vLLM's class
-def _config(afd: dict[str, Any] | None, workers: int = 1, dp: int = 1) -> SimpleNamespace:
+def _config(afd: dict[str, Any] | None, workers: int = 1, dp: int = 1, dp_index: int = 0) -> SimpleNamespace:
     """What ``OMPProcessManager.__init__`` and the wrapper read of a ``VllmConfig``."""
     parallel = SimpleNamespace(local_world_size=workers, data_parallel_rank_local=None, _api_process_count=1,
-                               data_parallel_size=dp, data_parallel_size_local=1)
+                               data_parallel_size=dp, data_parallel_size_local=1, data_parallel_index=dp_index)
     return SimpleNamespace(parallel_config=parallel, kv_transfer_config=None,
                            additional_config={"afd": AfdConfig(**afd).to_dict()} if afd else {})
 
@@ -197,3 +197,21 @@ def test_engine_without_afd_is_vllms_own(bind_env, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
     plain = _build(_config(None))
     assert plain.cpu_lists == [[1]]  # what vLLM parsed from the variable, nothing of AFD's
+
+
+def test_a_data_parallel_engine_reports_its_dp_rank(bind_env, caplog: pytest.LogCaptureFixture):
+    bind_env(_flat(2))
+    with caplog.at_level(logging.INFO, logger="vllm.afd"):
+        _build(_config({"role": "attention", "num_attention_ranks": 2}, dp=2, dp_index=1))
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.afd"]
+    assert lines[0].startswith("AFD: attention rank 1 worker(s)") and "the engine is data parallel" in lines[0], lines
+
+
+def test_a_dense_dp_engine_gets_its_share_at_its_local_dp_rank(bind_env):
+    """vLLM resets a dense DP engine's data_parallel_size to 1 but slices the CPU lists at its local DP rank."""
+    bind_env(_flat(3))
+    config = _config({"role": "attention", "num_attention_ranks": 2}, dp=1, dp_index=1)
+    config.parallel_config.data_parallel_rank_local = 1
+    dp1 = _build(config)
+    dp0 = _build(_config({"role": "attention", "num_attention_ranks": 2}))
+    assert dp0.cpu_lists == [[1]] and dp1.cpu_lists == [[2]]  # FFN core 0, attention ranks 1 and 2

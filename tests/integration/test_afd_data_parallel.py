@@ -59,18 +59,22 @@ ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM"}
 METRIC = re.compile(r'^vllm:afd_(\w+)_total\{rank="(\d+)",role="(\w+)"\} (\S+)$')
 
 
-def _complete(port: int, model: Path, prompt: list[int]) -> tuple[list[int], list[dict[str, float]]]:
+def _complete(port: int, model: Path, prompt: list[int], host: str = HOST,
+              dp_rank: int | None = None) -> tuple[list[int], list[dict[str, float]]]:
+    """Greedy token ids and top-5 logprobs of one completion; ``dp_rank``: pinned to that DP engine (vLLM's
+    ``X-data-parallel-rank`` header)."""
+    headers = {} if dp_rank is None else {"X-data-parallel-rank": str(dp_rank)}
     body = _post(port, "/v1/completions", {
         "model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": LOGPROBS,
-        "ignore_eos": True, "return_tokens_as_token_ids": True})
+        "ignore_eos": True, "return_tokens_as_token_ids": True}, host=host, headers=headers)
     lp = body["choices"][0]["logprobs"]
     return ([_token_id(t) for t in lp["tokens"]],
             [{str(_token_id(t)): v for t, v in step.items()} for step in lp["top_logprobs"]])
 
 
-def _counters(port: int) -> dict[tuple[str, str, int], float]:
+def _counters(port: int, host: str = HOST) -> dict[tuple[str, str, int], float]:
     """``{(counter, role, rank): value}`` of the ``vllm:afd_*_total`` counters on ``/metrics``."""
-    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     return {(m[1], m[3], int(m[2])): float(m[4]) for line in text.splitlines() if (m := METRIC.match(line))}
 

@@ -78,14 +78,15 @@ def _server_args(model: Path, port: int, *extra: str) -> list[str]:
             "--kv-cache-memory-bytes", str(64 << 20), *extra]
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float) -> float:
-    """Poll ``/health`` until 200; fail on early exit or after ``timeout_s``. Returns seconds waited."""
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float, host: str = HOST) -> float:
+    """Poll ``/health`` at ``host:port`` until 200; fail on early exit or after ``timeout_s``. Returns seconds
+    waited."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
             pytest.fail(f"server on port {port} exited {proc.returncode} before it was healthy:\n{tail(log)}")
         try:
-            with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as r:
                 if r.status == 200:
                     return time.monotonic() - t0
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
@@ -127,9 +128,9 @@ def _start(procs: list[subprocess.Popen[bytes]], args: list[str], log: Path, **e
     return proc
 
 
-def _post(port: int, path: str, body: dict[str, Any]) -> Any:
-    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+def _post(port: int, path: str, body: dict[str, Any], host: str = HOST, headers: dict[str, str] | None = None) -> Any:
+    req = urllib.request.Request(f"http://{host}:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
         return json.loads(r.read())
 
