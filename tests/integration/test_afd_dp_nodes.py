@@ -191,6 +191,7 @@ def _check_afd_sockets(trees: dict[str, subprocess.Popen[bytes]], afd_port: int,
     return "; ".join(f"{name} " + ", ".join(f"{ip} x{k}" for ip, k in sorted(c.items())) for name, c in ips.items())
 
 
+@pytest.mark.matrix  # CI time (about 4 min each): pytest -m matrix
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_afd_dp_attention_over_two_nodes(family: str, tmp_path: Path) -> None:
     model = _model(tmp_path, family)
@@ -255,6 +256,7 @@ def test_afd_dp_attention_over_two_nodes(family: str, tmp_path: Path) -> None:
           f"idle steps {idle0:g}; FFN calls {served:g}; listeners: {listeners}")
 
 
+@pytest.mark.matrix  # CI time: pytest -m matrix
 def test_afd_external_lb_two_servers(tmp_path: Path) -> None:
     model = _model(tmp_path, "qwen3_moe")
     arch = ["--hf-overrides", json.dumps({"architectures": [ARCH["qwen3_moe"]]})]
