@@ -13,16 +13,17 @@ worker that asked for ``micro_batches`` > 1 (``in_step``), it answers ``should_u
 micro-batching for this batch (its own ``_allow_microbatching`` veto: a reader of KV blocks another request
 of the same step writes) and the step has at least ``micro_batch_min_tokens`` tokens, with two more vetoes
 where a split would not be exact: a model with MLA attention (DeepSeek-V2/V3: split steps gave other tokens
-on vLLM's CPU MLA backend, cause not found, docs/benchmarks.md "Micro-batches"), and a model with recurrent
+on vLLM's CPU MLA backend, cause not found, docs/benchmarks.md "Micro-batches inside one attention step"),
+and a model with recurrent
 layers (Gated-DeltaNet, Mamba) when the split would cut a request, whose state would then be carried over
 the cut by a chunked scan that adds in another order (split only where slices end on request boundaries,
-e.g. every decode step). Everything else,
-vLLM's warm-up and dummy runs included, gets vLLM's answer unchanged. The attention worker sets
-``parallel_config.ubatch_size`` to ``micro_batches`` in its own process (``ubatch_size_for``) before the KV
-cache and its metadata builders are made.
+e.g. every decode step). Everything else, vLLM's warm-up and dummy runs included, gets vLLM's answer
+unchanged. The attention worker sets ``parallel_config.ubatch_size`` to ``micro_batches`` in its own process
+before the KV cache and its metadata builders are made.
 
-Limits: with vLLM data parallelism the runner coordinates ``should_ubatch`` across ranks itself; a yes
-there is kept as it is.
+Limits: under vLLM data parallelism the runner coordinates ``should_ubatch`` across ranks itself (dummy
+batches included), so micro-batches are refused there in the front end
+(``afd_patches.compat.data_parallel``); a yes from vLLM is kept as it is.
 """
 
 from __future__ import annotations
