@@ -386,10 +386,10 @@ def test_round_trip_against_real_wheels(release):
     reviewed decisions too.
 
     A failure here after vllm-0.32.yaml changed means the committed manifest is
-    out of date: regenerate it (keeping its reviews) with
-    ``patchkit retarget manifests/afd/vllm-0.32.yaml --vllm <wheel> --out NEW
-    --reviewed manifests/afd/vllm-X.yaml``, review what is still flagged, and
-    replace the committed file.
+    out of date: retarget it (keeping its reviews) with
+    ``patchkit retarget manifests/afd/vllm-0.32.yaml --vllm <wheel> --out manifests/afd/NEW.yaml
+    --reviewed manifests/afd/vllm-X.yaml``, review what is still flagged, and carry the
+    changed overrides into the committed file (its ``remove:`` section and comments stay).
     """
     wheel = _wheel(f"{release}.0", cpu=release != "0.33")
     source = REPO / "manifests" / "afd" / "vllm-0.32.yaml"
@@ -412,8 +412,9 @@ def test_round_trip_against_real_wheels(release):
     unexpected = [c for c in changes if not (c.field == "fingerprint" and was_flagged(c))
                   and not (c.kind == "removed" and c.subject in removed)
                   and not (cpu_tree and c.section == "pin" and c.subject == "commit")]
-    regenerate = (f"regenerate: patchkit retarget {source.relative_to(REPO)} --vllm {wheel} --out NEW "
-                  f"--reviewed {committed_path.relative_to(REPO)}")
+    regenerate = (f"regenerate: patchkit retarget {source.relative_to(REPO)} --vllm {wheel} "
+                  f"--out manifests/afd/NEW.yaml --reviewed {committed_path.relative_to(REPO)}, then carry what "
+                  f"it reports into {committed_path.name}")
     listed = "; ".join(f"{c.section} {c.kind} {c.subject}" + (f".{c.field}" if c.field else "") for c in unexpected)
     assert not unexpected, f"{committed_path.name} differs from the retargeted manifest: {listed}. {regenerate}"
     by_id = {e.id: e for e in (*committed.entries, *committed.requires)}
