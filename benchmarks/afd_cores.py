@@ -18,9 +18,12 @@ and engine cores are not pinned (vLLM does not pin them either).
 
 ``--model``: ``heavy`` (default: hidden 1024, intermediate 4096, 4 layers; FFN time comparable to
 attention time) or ``tiny`` (the tests' Llama, hidden 64, 2 layers: per-op overhead dominates).
-Engines run eagerly unless ``--compiled``. Prints one table; nothing is written.
+Engines run eagerly unless ``--compiled``. ``--micro-batches N`` (N > 1) runs both sides with
+``micro_batches: N`` and ``micro_batch_min_tokens: 2``, where the two roles can compute at once; at N = 1
+they take turns whatever the placement. Prints one table; nothing is written.
 
     python -m benchmarks.afd_cores [--model heavy] [--rounds 3] [--requests 16] [--tokens 64] [--compiled]
+                                   [--micro-batches 1]
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--compiled", action="store_true", help="vLLM's default compilation (else eager)")
+    parser.add_argument("--micro-batches", type=int, default=1, choices=range(1, 5))
     args = parser.parse_args()
     env = vllm_env(PYTHONUNBUFFERED="1", VLLM_CPU_OMP_THREADS_BIND="auto")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)  # this checkout
@@ -76,7 +80,9 @@ def main() -> None:
         ffns: dict[str, tuple[dict[str, object], Server]] = {}
         try:
             for label, extra in SIDES.items():
-                afd = {"port": free_port(), "host": HOST, "timeout_s": 300}
+                afd: dict[str, object] = {"port": free_port(), "host": HOST, "timeout_s": 300}
+                if args.micro_batches > 1:
+                    afd["connector_extra_config"] = {"micro_batches": args.micro_batches, "micro_batch_min_tokens": 2}
                 ffns[label] = (afd, Server(f"{label}-ffn", model, work, [*ARCH, "--additional-config", json.dumps(
                     {"afd": {**afd, "role": "ffn"}})], {**env, **extra}, None, eager=not args.compiled))
             for label, (afd, ffn) in ffns.items():
@@ -102,7 +108,8 @@ def main() -> None:
                     print(f"round {r + 1} {label}: {rate:.1f} tok/s", flush=True)
                 if texts["vllm-auto"] != texts["afd-placed"]:
                     raise SystemExit(f"round {r + 1}: the two sides' completions differ")
-            print(f"\n{args.model} model, AFD 1A1F, {args.requests} x {args.tokens} tokens, "
+            print(f"\n{args.model} model, AFD 1A1F, micro_batches {args.micro_batches}, "
+                  f"{args.requests} x {args.tokens} tokens, "
                   f"{'compiled' if args.compiled else 'eager'}, {len(os.sched_getaffinity(0))} allowed CPU(s):")
             print(f"{'side':<12} {'median tok/s':>13}  rounds")
             for label, values in rates.items():
