@@ -86,9 +86,9 @@ def main() -> None:
              for model, roles in stacks.items() for m in args.tokens}
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
-    role = {(model, role, m): role_time(stack, m, args.repeat)
-            for model, roles in stacks.items() for role, stack in roles.items()
-            for m in {t for x in args.tokens for t in (x, x // 2)}}
+    per_role = {(model, role, m): role_time(stack, m, args.repeat)
+                for model, roles in stacks.items() for role, stack in roles.items()
+                for m in {t for x in args.tokens for t in (x, x // 2)}}
     print(f"torch {torch.__version__}; a role: one thread on core {args.core}; plain: {len(plain_cores)} threads on "
           f"cores {args.plain_cores}; median of {args.repeat} passes over {args.layers} layers; ms per layer")
     print("model     M | attn T(M) T(M/2) split | ffn T(M) T(M/2) split | GB/s attn ffn | plain T(M) | "
@@ -96,8 +96,8 @@ def main() -> None:
     for model, roles in SHAPES.items():
         weight_bytes = {r: sum(k * n * 4 for k, n in shapes) for r, shapes in roles.items()}
         for m in args.tokens:
-            a, f, ah, fh = (role[model, "attention", m], role[model, "ffn", m], role[model, "attention", m // 2],
-                            role[model, "ffn", m // 2])
+            a, f = per_role[model, "attention", m], per_role[model, "ffn", m]
+            ah, fh = per_role[model, "attention", m // 2], per_role[model, "ffn", m // 2]
             n1, n2 = a + f, 2 * max(ah, fh)
             print(f"{model:8s} {m:3d} | {1e3 * a:6.3f} {1e3 * ah:6.3f} {2 * ah / a:5.2f} | {1e3 * f:6.3f} "
                   f"{1e3 * fh:6.3f} {2 * fh / f:5.2f} | {weight_bytes['attention'] / a / 1e9:5.1f} "
