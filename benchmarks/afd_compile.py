@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from benchmarks.afd_server_load import HOST, SETTLE_S, Server, load
+from benchmarks.afd_server_load import HOST, Server, load, rotated_rounds
 from harness.env import REPO, free_port, vllm_env
 from harness.tiny_model import build
 from harness.tiny_tokenizer import build_tokenizer
@@ -104,25 +104,15 @@ def run_model(name: str, args: argparse.Namespace) -> None:
                   Setup("afd-compiled", model, work, env, afd=True, eager=False),
                   Setup("afd-ffn-eager", model, work, env, afd=True, eager=False, ffn_eager=True),
                   Setup("afd-eager", model, work, env, afd=True, eager=True)]
-        tps: dict[str, list[float]] = {s.label: [] for s in setups}
-        loadavg: list[float] = []
         try:
             for s in setups:
                 s.start()
             for s in setups:
                 load([s.port], model, 4, 8)  # warm-up
-            for r in range(args.rounds):
-                order = setups[r % len(setups):] + setups[:r % len(setups)]
-                texts = {}
-                for s in order:
-                    time.sleep(SETTLE_S)
-                    rate, texts[s.label] = load([s.port], model, args.requests, args.tokens)
-                    tps[s.label].append(rate)
-                loadavg.append(os.getloadavg()[0])
-                for label, text in texts.items():
-                    if text != texts[SAME_AS.get(label, "plain-default")]:
-                        raise SystemExit(f"{name} round {r}: {label}'s completions differ from "
-                                         f"{SAME_AS.get(label, 'plain-default')}'s")
+            tps, loadavg = rotated_rounds(setups, args.rounds,
+                                          lambda s: load([s.port], model, args.requests, args.tokens),
+                                          lambda s: s.label, lambda label: SAME_AS.get(label, "plain-default"),
+                                          f"{name} ")
             if args.restart:
                 for s in setups:
                     if not s.eager:

@@ -32,13 +32,12 @@ import argparse
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from statistics import median
 
 import psutil
 
-from benchmarks.afd_server_load import SETTLE_S, Server, load
+from benchmarks.afd_server_load import SETTLE_S, Server, load, rotated_rounds
 from harness.env import REPO, free_port, vllm_env
 from harness.tiny_model import build
 from harness.tiny_tokenizer import build_tokenizer
@@ -132,24 +131,18 @@ def run(args: argparse.Namespace) -> None:
             processes = {s.label: s.processes() for s in setups}
             results = {}
             for requests in args.requests:
-                tps: dict[str, list[float]] = {s.label: [] for s in setups}
                 cpu: dict[str, dict[str, float]] = {s.label: {} for s in setups}
-                loadavg = []
-                for r in range(args.rounds):
-                    order = setups[r % len(setups):] + setups[:r % len(setups)]
-                    texts = {}
-                    for s in order:
-                        time.sleep(SETTLE_S)
-                        before = s.cpu_by_kind()
-                        rate, texts[s.label] = load(s.ports, model, requests, args.tokens)
-                        for kind, c in s.cpu_by_kind().items():
-                            cpu[s.label][kind] = cpu[s.label].get(kind, 0.0) + c - before.get(kind, 0.0)
-                        tps[s.label].append(rate)
-                    loadavg.append(os.getloadavg()[0])
-                    for label, text in texts.items():
-                        if text != texts["plain"]:
-                            raise SystemExit(f"{requests} requests, round {r}: {label}'s completions differ from "
-                                             "plain's")
+
+                def measure(s: Setup, requests: int = requests,
+                            cpu: dict[str, dict[str, float]] = cpu) -> tuple[float, list[str]]:
+                    before = s.cpu_by_kind()
+                    result = load(s.ports, model, requests, args.tokens)
+                    for kind, c in s.cpu_by_kind().items():
+                        cpu[s.label][kind] = cpu[s.label].get(kind, 0.0) + c - before.get(kind, 0.0)
+                    return result
+
+                tps, loadavg = rotated_rounds(setups, args.rounds, measure, lambda s: s.label, lambda _: "plain",
+                                              f"{requests} requests, ")
                 results[requests] = (tps, cpu, loadavg)
         finally:
             for s in setups:

@@ -47,7 +47,7 @@ import urllib.request
 from pathlib import Path
 from statistics import median
 
-from benchmarks.afd_server_load import HOST, SETTLE_S, Server, load
+from benchmarks.afd_server_load import HOST, SETTLE_S, Server, load, rotated_rounds
 from harness.env import REPO, free_port, vllm_env
 from harness.tiny_model import build
 from harness.tiny_tokenizer import build_tokenizer
@@ -145,27 +145,21 @@ def run_model(name: str, args: argparse.Namespace, trace: Path | None) -> None:
                                 min_tokens=args.min_tokens))
         if args.sweep:
             setups.append(Setup("afd-n2-min2", family, model, work, env, args, micro_batches=2, min_tokens=2))
-        tps: dict[str, list[float]] = {s.label: [] for s in setups}
-        loadavg: list[float] = []
         overlap: dict[str, tuple[float, float]] = {}
         sweep: dict[int, dict[str, list[float]]] = {}
         try:
             for s in setups:
                 s.start()
                 load(s.ports, model, 4, 8)  # warm-up (and compile, where vLLM compiles at the first shapes)
-            for r in range(args.rounds):
-                order = setups[r % len(setups):] + setups[:r % len(setups)]
-                texts = {}
-                for s in order:
-                    time.sleep(SETTLE_S)
-                    before = s.cpu_seconds()
-                    rate, texts[s.label] = load(s.ports, model, args.requests, args.tokens)
-                    s.cpu += s.cpu_seconds() - before
-                    tps[s.label].append(rate)
-                loadavg.append(os.getloadavg()[0])
-                for label, text in texts.items():
-                    if text != texts["plain"]:
-                        raise SystemExit(f"{name} round {r}: {label}'s completions differ from plain's")
+
+            def measure(s: Setup) -> tuple[float, list[str]]:
+                before = s.cpu_seconds()
+                result = load(s.ports, model, args.requests, args.tokens)
+                s.cpu += s.cpu_seconds() - before
+                return result
+
+            tps, loadavg = rotated_rounds(setups, args.rounds, measure, lambda s: s.label, lambda _: "plain",
+                                          f"{name} ")
             overlap = {s.label: s.overlap() for s in setups if s.afd}
             for requests in args.sweep:
                 for r in range(args.rounds):

@@ -44,13 +44,16 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, TypeVar
 
 from harness.env import REPO, free_port, vllm_env
 from harness.tiny_model import build
 from harness.tiny_tokenizer import build_tokenizer
+
+Side = TypeVar("Side")
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 400.0
@@ -178,6 +181,30 @@ def load(ports: list[int], model: Path, requests: int, tokens: int) -> tuple[flo
     return asyncio.run(_load(ports, model, requests, tokens))
 
 
+def rotated_rounds(sides: Sequence[Side], rounds: int, measure: Callable[[Side], tuple[float, list[str]]],
+                   label: Callable[[Side], str], reference: Callable[[str], str],
+                   what: str = "") -> tuple[dict[str, list[float]], list[float]]:
+    """Measure every side once per round, ``rounds`` times, the order rotated by one side each round and each
+    measurement ``SETTLE_S`` after the previous (vLLM workers busy-poll for about a second after their last
+    step). ``measure(side)`` returns (tok/s, completions) and does any accounting of its own; after each round
+    every side's completions must equal those of ``reference(its label)``, else ``SystemExit`` naming the
+    round (prefixed by ``what``). Returns tok/s per label in round order and the 1-minute load average after
+    each round."""
+    tps: dict[str, list[float]] = {label(s): [] for s in sides}
+    loadavg: list[float] = []
+    for r in range(rounds):
+        texts = {}
+        for side in [*sides[r % len(sides):], *sides[:r % len(sides)]]:
+            time.sleep(SETTLE_S)
+            rate, texts[label(side)] = measure(side)
+            tps[label(side)].append(rate)
+        loadavg.append(os.getloadavg()[0])
+        for name, text in texts.items():
+            if text != texts[reference(name)]:
+                raise SystemExit(f"{what}round {r}: {name}'s completions differ from {reference(name)}'s")
+    return tps, loadavg
+
+
 def idle_cpu(servers: list[Server], seconds: float) -> list[float]:
     """Percent of one core each server used over ``seconds`` of idleness."""
     before = [s.cpu_seconds() for s in servers]
@@ -290,26 +317,19 @@ def main() -> None:
             idle = idle_cpu(servers, args.idle_s)
             before = {d.label: (read_timings(work / f"timings-{d.label}"), d.attns[0].latency(), d.ffn.latency())
                       for d in deployments}
-            tps: dict[str, list[float]] = {label: [] for label in targets}
             groups = {"plain": [plain], **{d.label: d.servers for d in deployments}}
             cpu: dict[str, float] = {}
-            loadavg = []
-            labels = list(targets)
-            for r in range(args.rounds):
-                order = labels[r % len(labels):] + labels[:r % len(labels)]
-                texts = {}
-                for label in order:
-                    time.sleep(SETTLE_S)
-                    cpu0 = [s.cpu_by_process() for s in groups[label]]
-                    rate, texts[label] = load(targets[label], model, args.requests, args.tokens)
-                    for s, c0 in zip(groups[label], cpu0, strict=True):
-                        for kind, c in s.cpu_by_process().items():
-                            key = f"{label} {s.name.removeprefix(label + '-')} {kind}"
-                            cpu[key] = cpu.get(key, 0.0) + c - c0.get(kind, 0.0)
-                    tps[label].append(rate)
-                loadavg.append(os.getloadavg()[0])
-                if any(texts[label] != texts["plain"] for label in labels):
-                    raise SystemExit(f"round {r}: AFD completions differ from plain's")
+
+            def measure(label: str) -> tuple[float, list[str]]:
+                cpu0 = [s.cpu_by_process() for s in groups[label]]
+                result = load(targets[label], model, args.requests, args.tokens)
+                for s, c0 in zip(groups[label], cpu0, strict=True):
+                    for kind, c in s.cpu_by_process().items():
+                        key = f"{label} {s.name.removeprefix(label + '-')} {kind}"
+                        cpu[key] = cpu.get(key, 0.0) + c - c0.get(kind, 0.0)
+                return result
+
+            tps, loadavg = rotated_rounds(list(targets), args.rounds, measure, str, lambda _: "plain")
             time.sleep(2.5)  # metric snapshots are written every 0.5 s, timing counters every 2 s
             after = {d.label: (read_timings(work / f"timings-{d.label}"), d.attns[0].latency(), d.ffn.latency())
                      for d in deployments}
