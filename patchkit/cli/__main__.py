@@ -1,7 +1,5 @@
 """``python -m patchkit.cli``: the ``patchkit`` command."""
 
-import sys
+from patchkit.cli import run
 
-from patchkit.cli import main
-
-sys.exit(main())
+run()

@@ -117,6 +117,15 @@ def _sub(where: dict[FieldPath, Where], prefix: FieldPath) -> dict[FieldPath, Wh
     return {path[n:]: w for path, w in where.items() if path[:n] == prefix}
 
 
+def _items(where: dict[FieldPath, Where], key: str) -> dict[Any, dict[FieldPath, Where]]:
+    """``_sub(where, (key, i))`` for every item ``i`` of section ``key`` at once (one pass, not one per item)."""
+    items: dict[Any, dict[FieldPath, Where]] = {}
+    for path, w in where.items():
+        if len(path) >= 2 and path[0] == key:
+            items.setdefault(path[1], {})[path[2:]] = w
+    return items
+
+
 def _put(where: dict[FieldPath, Where], prefix: FieldPath, sub: dict[FieldPath, Where]) -> None:
     where.update({(*prefix, *path): w for path, w in sub.items()})
 
@@ -165,18 +174,20 @@ def _merge_section(base: Resolved, child: dict[str, Any], child_where: dict[Fiel
         return
     items: list[tuple[dict[str, Any], dict[FieldPath, Where]]] = []
     index: dict[Any, int] = {}
+    inherited_where = _items(base.where, key)
     for i, item in enumerate(inherited if isinstance(inherited, list) else []):
         if isinstance(item, dict) and name in item:
             index.setdefault(item[name], len(items))
-        items.append((dict(item) if isinstance(item, dict) else item, _sub(base.where, (key, i))))
+        items.append((dict(item) if isinstance(item, dict) else item, inherited_where.get(i, {})))
     for j, gone in enumerate(removed):
         if gone not in index:
             fail(("remove", key, j), f"{gone!r} is not among the inherited {key} (by {name})")
     if own is not None and not isinstance(own, list):
         fail((key,), f"must be a list of {key} entries (matched to the base's by {name!r})")
         own = []
+    own_where = _items(child_where, key)
     for j, item in enumerate(own or []):
-        item_where = _sub(child_where, (key, j))
+        item_where = own_where.get(j, {})
         if not isinstance(item, dict) or name not in item:
             fail((key, j), f"an entry of {key} needs {name!r} (to match the base's or to add one)")
             continue

@@ -41,12 +41,27 @@ from patchkit.plan import (
 from patchkit.runtime.cache import schema_path
 
 
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    """``node`` with every local ``$ref`` (``#/$defs/NAME``) replaced by what it names: the same
+    constraints, without a reference lookup per validated value (the schema has no recursion)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            target = _inline(defs[ref.removeprefix("#/$defs/")], defs)
+            rest = {k: _inline(v, defs) for k, v in node.items() if k != "$ref"}
+            return {**rest, "allOf": [target]} if rest else target
+        return {k: v if k == "$defs" else _inline(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline(item, defs) for item in node]
+    return node
+
+
 @cache
 def _validator() -> Any:
     import jsonschema
 
     schema = json.loads(pathlib.Path(schema_path("manifest.schema.json")).read_text())
-    return jsonschema.Draft202012Validator(schema)
+    return jsonschema.Draft202012Validator(_inline(schema, schema.get("$defs", {})))
 
 
 def _at(res: Resolved, path: FieldPath) -> tuple[str, int]:

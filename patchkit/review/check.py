@@ -27,11 +27,13 @@ import difflib
 import gc
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from patchkit.plan import Entry, Manifest, ManifestError
+from patchkit.review import forked
 from patchkit.review.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
 
 FORMATS = ("text", "markdown", "json")
@@ -101,12 +103,14 @@ def _diff(entry: Entry, report: TargetReport, tree: SourceTree, base: Resolver |
     return text or None
 
 
-def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None = None) -> list[EntryCheck]:
-    """Analyze every entry and requirement of ``manifest`` in ``tree`` (and diff drifted ones against ``base``)."""
+def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None = None,
+                  entries: Sequence[Entry] | None = None) -> list[EntryCheck]:
+    """Analyze ``entries`` (default: every entry and requirement of ``manifest``) in ``tree`` (and diff
+    drifted ones against ``base``)."""
     resolver = Resolver(tree)
     base_resolver = Resolver(base) if base is not None else None
     results = []
-    for entry in (*manifest.entries, *manifest.requires):
+    for entry in (*manifest.entries, *manifest.requires) if entries is None else entries:
         report = analyze(resolver, entry, manifest.packages)
         creates = entry.op == "set" and report.verdict == "missing" and report.owner_exists
         if creates:
@@ -124,6 +128,63 @@ def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None 
     return results
 
 
+def _halves(entries: Sequence[Entry], tree: SourceTree) -> tuple[list[int], list[int]]:
+    """Entry indexes in two halves of about equal work: entries grouped by target module, the
+    heaviest group placed first, each on the half with less work so far. A group's work is its
+    module's size, doubled when it patches a class member (the overriding-subclass search parses
+    more files)."""
+    groups: dict[str, list[int]] = {}
+    for i, entry in enumerate(entries):
+        groups.setdefault(entry.module, []).append(i)
+
+    def work(module: str) -> int:
+        searches = any(entries[i].op != "require" and "." in entries[i].qualname for i in groups[module])
+        return tree.size(module) * (2 if searches else 1)
+
+    halves: tuple[list[int], list[int]] = ([], [])
+    load = [0, 0]
+    for module in sorted(groups, key=lambda m: (-work(m), m)):
+        side = 0 if load[0] <= load[1] else 1
+        halves[side].extend(groups[module])
+        load[side] += work(module)
+    return sorted(halves[0]), sorted(halves[1])
+
+
+def _check_json(manifest: Manifest, tree: SourceTree, base: SourceTree | None,
+                entries: Sequence[Entry]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """``check_entries`` as JSON: (entry objects, modules parsed, problems)."""
+    rows = [r.to_json() for r in check_entries(manifest, tree, base, entries)]
+    return rows, tree.parsed + (base.parsed if base else []), tree.problems + (base.problems if base else [])
+
+
+def _check_all(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vllm_src: str,
+               base_src: str | None) -> tuple[list[dict[str, Any]], int, list[str]]:
+    """Every entry's JSON, the number of distinct modules parsed, and the problems met.
+
+    With a second core, half of the entries (by target module) are checked in a forked child
+    (``patchkit.review.forked``) that opens the trees itself; the halves' output is merged in
+    manifest order, so the result is the same as in one process."""
+    entries = [*manifest.entries, *manifest.requires]
+    mine, theirs = _halves(entries, tree) if forked.available() else (list(range(len(entries))), [])
+    child = None
+    if theirs:
+        def other_half() -> tuple[list[dict[str, Any]], list[str], list[str]]:
+            return _check_json(manifest, open_tree(vllm_src), open_tree(base_src) if base_src else None,
+                               [entries[i] for i in theirs])
+        child = forked.start(other_half)
+    rows, parsed, problems = _check_json(manifest, tree, base, [entries[i] for i in mine])
+    by_index = dict(zip(mine, rows, strict=True))
+    if child is not None:
+        got = child.result()
+        if not (isinstance(got, list) and len(got) == 3 and len(got[0]) == len(theirs)):
+            # the child failed: do its half here, where its error surfaces
+            got = _check_json(manifest, tree, base, [entries[i] for i in theirs])
+        by_index.update(zip(theirs, got[0], strict=True))
+        parsed = parsed + got[1]
+        problems = problems + [p for p in got[2] if p not in problems]
+    return [by_index[i] for i in range(len(entries))], len(set(parsed)), problems
+
+
 def _header(manifest: Manifest, tree: SourceTree, base: SourceTree | None) -> dict[str, Any]:
     return {
         "manifest": manifest.file,
@@ -135,8 +196,11 @@ def _header(manifest: Manifest, tree: SourceTree, base: SourceTree | None) -> di
 
 
 def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = None,
-              fmt: str = "text") -> tuple[int, str]:
-    """Check a manifest against a tree; ``(exit_code, output)`` as described in the module docstring."""
+              fmt: str = "text", keep: list[object] | None = None) -> tuple[int, str]:
+    """Check a manifest against a tree; ``(exit_code, output)`` as described in the module docstring.
+
+    ``keep``, when given, receives the parsed trees instead of their being freed on return (the
+    command line passes a list that lives until it exits without freeing them)."""
     from patchkit import manifest as manifest_mod
 
     if fmt not in FORMATS:
@@ -151,7 +215,9 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
     try:
         tree = open_tree(vllm_src)
         base = open_tree(base_src) if base_src is not None else None
-        results = check_entries(loaded, tree, base)
+        rows, parsed, problems = _check_all(loaded, tree, base, vllm_src, base_src)
+        if keep is not None:
+            keep.append((tree, base))
     except TreeError as exc:
         return 2, f"patchkit check: {exc}"
     except RecursionError:
@@ -159,17 +225,17 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
     finally:
         if collecting:
             gc.enable()
-    code = 1 if any(r.fails for r in results) else 0
+    code = 1 if any(row["fails"] for row in rows) else 0
     doc = _header(loaded, tree, base)
-    doc["entries"] = [r.to_json() for r in results]
-    doc["problems"] = tree.problems + (base.problems if base else [])
+    doc["entries"] = rows
+    doc["problems"] = problems
     counts: dict[str, int] = {}
-    for r in results:
-        counts[r.report.verdict] = counts.get(r.report.verdict, 0) + 1
-    doc["summary"] = {"entries": len(results), "requirements": len(loaded.requires),
-                      "verdicts": counts, "failing": [r.entry.id for r in results if r.fails],
-                      "uncovered_sites": sum(len(r.report.uncovered) for r in results),
-                      "modules": len(tree.modules), "parsed": tree.parsed_count,
+    for row in rows:
+        counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
+    doc["summary"] = {"entries": len(rows), "requirements": len(loaded.requires),
+                      "verdicts": counts, "failing": [row["id"] for row in rows if row["fails"]],
+                      "uncovered_sites": sum(row["uncovered_sites"] for row in rows),
+                      "modules": len(tree.modules), "parsed": parsed,
                       "seconds": round(time.perf_counter() - started, 3)}
     doc["exit_code"] = code
     if fmt == "json":

@@ -20,6 +20,7 @@ import pytest
 from harness.env import REPO
 from patchkit import fingerprint
 from patchkit.cli import main
+from patchkit.manifest import load as load_manifest
 from patchkit.review.check import run_check
 from patchkit.review.static import Resolver, TreeError, open_tree
 from tests.support.import_scan import imports_from_ast, imports_from_text
@@ -404,6 +405,79 @@ def test_subclass_overrides_are_listed(manifest: Path, trees: tuple[Path, Path])
                          "vllm.worker.deep:DeepWorker.init_device": True}
 
 
+def test_an_override_after_a_method_free_candidate_class_is_found(tmp_path: Path, trees: tuple[Path, Path]) -> None:
+    # the text prefilter reads each candidate class's own body: a file whose first candidate does not
+    # define the method but whose second does must still be parsed
+    base, _ = trees
+    new = write_tree(tmp_path / "two", {**COMMON, "vllm/worker/pair.py": """
+        from vllm.worker.base import Worker
+
+
+        class Quiet(Worker):
+            def other(self):
+                return 1
+
+
+        class Loud(Worker):
+            x = 1
+
+            def init_device(self):
+                return "loud"
+    """})
+    manifest = write_manifest(tmp_path / "m.yaml", [entry("worker", base)])
+    _, doc = check_json(manifest, new)
+    assert "vllm.worker.pair:Loud.init_device" in {o["ref"] for o in by_id(doc)["worker"]["overrides"]}
+
+
+def test_check_splits_work_with_a_forked_child_and_says_the_same(
+        manifest: Path, trees: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from patchkit.review import check, forked
+
+    base, new = trees
+    outputs = []
+    for parallel in (False, True):
+        monkeypatch.setattr(forked, "available", lambda parallel=parallel: parallel)
+        code, out = run_check(manifest, str(new), str(base), "json")
+        doc = json.loads(out)
+        doc["summary"].pop("seconds")
+        outputs.append((code, doc))
+    assert outputs[0] == outputs[1]
+    entries = [*load_manifest(manifest).entries]
+    assert all(check._halves(entries, open_tree(str(new))))  # both halves get work
+
+
+def test_a_failing_child_half_is_redone_in_process(manifest: Path, trees: tuple[Path, Path],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from patchkit.review import check, forked
+
+    base, new = trees
+    monkeypatch.setattr(forked, "available", lambda: False)
+    expected = json.loads(run_check(manifest, str(new), str(base), "json")[1])
+    parent, real = os.getpid(), check._check_json
+
+    def broken_in_child(*args: object) -> object:
+        if os.getpid() != parent:
+            raise RuntimeError("child broke")
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(forked, "available", lambda: True)
+    monkeypatch.setattr(check, "_check_json", broken_in_child)
+    got = json.loads(run_check(manifest, str(new), str(base), "json")[1])
+    for doc in (expected, got):
+        doc["summary"].pop("seconds")
+    assert got == expected
+
+
+def test_forked_child_result_and_failures() -> None:
+    from patchkit.review import forked
+
+    assert forked.start(lambda: {"rows": [1, 2]}).result() == {"rows": [1, 2]}
+    assert forked.start(lambda: 1 / 0).result() is None
+    assert forked.start(lambda: object()).result() is None  # not JSON
+
+
 def test_text_import_scan_agrees_with_the_ast() -> None:
     source = textwrap.dedent('''
         """Module docstring with an example:
@@ -576,6 +650,17 @@ def test_afd_manifest_checks_clean_against_installed_vllm() -> None:
     assert code == 0, out
     assert doc["summary"]["failing"] == []
     assert doc["entries"] and all(e["verdict"] == "ok" for e in doc["entries"] if e["fingerprint"]["pinned"])
+
+
+@pytest.mark.vllm
+def test_fingerprint_text_is_ast_dump_on_real_files() -> None:
+    # patchkit.fingerprint writes ast.dump's text itself (faster); pinned fingerprints depend on it
+    tree = open_tree("installed")
+    modules = sorted(tree.modules)[::40]
+    for module in modules:
+        for node in ast.walk(tree.parse(module)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Assign):
+                assert fingerprint._format(node) == ast.dump(node, include_attributes=False), (module, node.lineno)
 
 
 @pytest.mark.vllm

@@ -156,7 +156,7 @@ class Resolver:
         self.tree = tree
         self._scopes: dict[int, Scope] = {}
         self._bases: dict[tuple[str, str], list[Definition]] = {}
-        self._class_index: dict[bytes, set[tuple[str, bytes]]] | None = None
+        self._class_index: dict[bytes, set[tuple[str, bytes, int, int]]] | None = None
         self.extras: dict[str, object] = {}  # per-tree caches of collaborators (e.g. the import index)
 
     # -- scopes --------------------------------------------------------------------
@@ -381,39 +381,47 @@ class Resolver:
 
         yield from walk(self.tree.parse(module).body, "")
 
-    def class_index(self) -> dict[bytes, set[tuple[str, bytes]]]:
-        """Text index, base identifier → {(module, class name)}: a cheap over-approximation of subclassing.
+    def class_index(self) -> dict[bytes, set[tuple[str, bytes, int, int]]]:
+        """Text index, base identifier → {(module, class name, body offset, column)}: a cheap
+        over-approximation of subclassing.
 
         Built once per tree with one regular expression over every file; classes whose base list
-        contains a ')' (a call) are missed.
+        contains a ')' (a call) are missed. The body offset and the column of ``class`` let
+        ``overrides`` look into one class's body without parsing its file.
         """
         if self._class_index is None:
-            index: dict[bytes, set[tuple[str, bytes]]] = {}
+            index: dict[bytes, set[tuple[str, bytes, int, int]]] = {}
             for module, data in self.tree.all_data():
                 if b"class" not in data:
                     continue
                 for match in _CLASS_DECL.finditer(data):
+                    start = match.start()
+                    column = start - (data.rfind(b"\n", 0, start) + 1)
+                    entry = (module, match.group(1), match.end(), column)
                     for ident in set(_IDENT.findall(match.group(2))):
-                        index.setdefault(ident, set()).add((module, match.group(1)))
+                        index.setdefault(ident, set()).add(entry)
             self._class_index = index
         return self._class_index
 
     def overrides(self, owner: Definition, name: str) -> list[Override]:
         """Subclasses (anywhere in the tree) of class ``owner`` that define ``name`` themselves.
 
-        Candidates come from the text index (transitively by class name), are kept only when the
-        file defines ``name``, and are then confirmed by resolving their bases. Limits: a base
-        imported under another name (``import Worker as W``) breaks the textual chain.
+        Candidates come from the text index (transitively by class name); a file is parsed only
+        when the text of one of its candidate classes defines ``name``, and candidates are then
+        confirmed by resolving their bases. Limits: a base imported under another name (``import
+        Worker as W``) breaks the textual chain; a class's text is taken to end at the next
+        ``def``/``class`` line indented no deeper than its own ``class``, so a string inside the
+        class with such a line hides what follows it.
         """
         if not isinstance(owner.node, ast.ClassDef):
             return []
         index = self.class_index()
         names = {owner.node.name.encode()}
         todo = list(names)
-        modules: set[str] = set()
+        bodies: dict[str, set[tuple[int, int]]] = {}
         while todo:
-            for module, cls in index.get(todo.pop(), ()):
-                modules.add(module)
+            for module, cls, body, column in index.get(todo.pop(), ()):
+                bodies.setdefault(module, set()).add((body, column))
                 if cls not in names:
                     names.add(cls)
                     todo.append(cls)
@@ -421,8 +429,10 @@ class Resolver:
                              + rb"[ \t]*(?::[^=\n]*)?=[^=]")
         ancestor = (owner.module, owner.qualname)
         found: list[Override] = []
-        for module in sorted(modules):
-            if not defines.search(self.tree.data(module)):
+        for module in sorted(bodies):
+            data = self.tree.data(module)
+            if not any(defines.search(data, body, _class_end(data, body, column))
+                       for body, column in bodies[module]):
                 continue
             for qual, node in self.iter_classes(module, with_locals=True):
                 binding = self.class_scope(module, node).main.get(name)
@@ -466,6 +476,12 @@ class Resolver:
                     continue
                 (exact if found.qualname == qualname else suffix).append(found)
         return exact + suffix
+
+
+def _class_end(data: bytes, body: int, column: int) -> int:
+    """Where the text of a class whose body starts at ``body`` (``class`` at ``column``) ends."""
+    end = re.compile(rb"\n[ \t]{0,%d}(?:class|def|async[ \t]+def)[ \t]" % column).search(data, body)
+    return end.start() if end else len(data)
 
 
 def _calls_super(node: ast.AST, name: str) -> bool:

@@ -70,6 +70,9 @@ class SourceTree:
     def _metadata_version(self) -> str | None:
         return None
 
+    def _size(self, relpath: str) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
     # -- modules -----------------------------------------------------------------
     @property
     def modules(self) -> dict[str, str]:
@@ -81,6 +84,13 @@ class SourceTree:
 
     def is_package(self, module: str) -> bool:
         return module in self._packages
+
+    def size(self, module: str) -> int:
+        """The module's file size in bytes, without reading it (0 when it cannot be told)."""
+        try:
+            return self._size(self._files[module])
+        except (OSError, KeyError):
+            return 0
 
     def path_of(self, module: str) -> str:
         """The module's file as a reader should see it (absolute for folders, ``wheel!member`` for wheels)."""
@@ -130,9 +140,9 @@ class SourceTree:
         return tree
 
     @property
-    def parsed_count(self) -> int:
-        """How many modules were parsed so far (for speed reports)."""
-        return len(self._asts)
+    def parsed(self) -> list[str]:
+        """The modules parsed so far (for speed reports)."""
+        return list(self._asts)
 
     # -- version -----------------------------------------------------------------
     @property
@@ -196,6 +206,9 @@ class DirTree(SourceTree):
     def _display(self, relpath: str) -> str:
         return str(self.root / relpath)
 
+    def _size(self, relpath: str) -> int:
+        return os.stat(os.path.join(self._root_str, relpath)).st_size
+
     def _metadata_version(self) -> str | None:
         # an installed package: <site-packages>/vllm[_cpu]-X.dist-info/METADATA next to the package
         try:
@@ -246,6 +259,9 @@ class WheelTree(SourceTree):
 
     def _display(self, relpath: str) -> str:
         return f"{self.path}!{relpath}"
+
+    def _size(self, relpath: str) -> int:
+        return self._zip.getinfo(relpath).file_size
 
     def _metadata_version(self) -> str | None:
         for name in self._names:
