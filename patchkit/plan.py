@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import platform as _platform_module
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import FrozenInstanceError, dataclass, field, fields
 from typing import Any, ClassVar
 
 WORKERS_ENTRY_ID = "workers"
@@ -67,15 +67,49 @@ class UnsupportedRelease(PatchkitError):
 
 # -- entries -------------------------------------------------------------------------------------
 #
-# One typed entry per kind of declaration, all slotted frozen dataclasses (``kw_only``: a field never
+class _Record:
+    """What the plan's dataclasses share instead of having ``@dataclass`` generate it for each class:
+    fields written once (by ``__init__``) and never again, field-wise ``==`` and a ``repr``.
+
+    The same behaviour as ``@dataclass(frozen=True)``'s: assigning or deleting a field of a built
+    object raises ``FrozenInstanceError``; objects of one class with equal fields are equal; they are
+    not hashable (a frozen dataclass's hash failed on the dict fields anyway). Why not let
+    ``@dataclass`` generate these: on CPython 3.11 every generated method is one ``exec`` of about
+    0.3 ms, and every vLLM process imports this module in the plugin hook; with only ``__init__``
+    generated, defining the classes costs about a third (``benchmarks/hook_cost``).
+    """
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if hasattr(self, name):
+            raise FrozenInstanceError(f"cannot assign to field {name!r}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self))  # type: ignore[arg-type]
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)  # type: ignore[arg-type]
+        return f"{type(self).__name__}({shown})"
+
+
+# One typed entry per kind of declaration, all slotted write-once dataclasses (``kw_only``: a field never
 # depends on its position). Entries that change vLLM (``Change`` and its subclasses) share one apply
 # path in ``patchkit.runtime.targets``: ``Patch`` ``replace``/``set`` put an object in place; every
 # other change is a wrap whose factory the entry's kind supplies (``wrap``: the ``with`` callable;
 # ``ScopedRebind``: binds names for the call; ``WorkerOverride``: picks the role's worker class).
 # ``Requirement`` is never applied, only judged. The plan cache stores them as JSON with ``kind``.
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Entry:
+@dataclass(slots=True, kw_only=True, eq=False, repr=False)
+class Entry(_Record):
     """What every entry has: an id, a ``module:qualname`` target, where it was declared
     (``source``: ``file:line``, through ``extends``), a pinned fingerprint and the drift policy."""
 
@@ -101,7 +135,7 @@ class Entry:
         return data
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, eq=False, repr=False)
 class Change(Entry):
     """An entry that changes vLLM: ordered (``after``), guarded (``when``), required or optional,
     rolled back and reverted as one; ``rebind`` is its from-import alias policy."""
@@ -122,7 +156,7 @@ class Change(Entry):
         return ()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, eq=False, repr=False)
 class Patch(Change):
     """``op`` ``replace`` (the ``with`` object), ``wrap`` (``with`` is the wrapper factory) or ``set``
     (``value``, plain data, or the ``with`` object; ``has_value`` says which)."""
@@ -137,7 +171,7 @@ class Patch(Change):
         return (self.with_,) if self.with_ else ()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, eq=False, repr=False)
 class ScopedRebind(Change):
     """Op ``scoped-rebind``: a wrap of the target that, for one call and while ``active_if(*args, **kwargs)``
     is true, binds each name of ``bind`` in module ``namespace`` to its replacement (docs/manifests.md)."""
@@ -151,7 +185,7 @@ class ScopedRebind(Change):
         return (self.active_if, *(ref for _, ref in self.bind))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, eq=False, repr=False)
 class WorkerOverride(Change):
     """The ``workers`` section: a wrap of ``at`` (the target) that picks the role's worker class when the
     user left ``worker_cls`` at ``auto``; ``overrides`` are ``{role, class, when?}`` mappings."""
@@ -164,7 +198,7 @@ class WorkerOverride(Change):
         return (self.role_of, *(o["class"] for o in self.overrides))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, eq=False, repr=False)
 class Requirement(Entry):
     """A vLLM symbol the plugin relies on without changing it: never applied; ``pin`` says how much of
     its fingerprint counts, ``indirect`` that the plugin's code does not name it."""
@@ -179,8 +213,8 @@ class Requirement(Entry):
         return self.kind
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelRegistration:
+@dataclass(slots=True, kw_only=True, eq=False, repr=False)
+class ModelRegistration(_Record):
     """A model architecture registered with vLLM's ``ModelRegistry`` as a ``module:Class`` string."""
 
     arch: str
@@ -209,8 +243,8 @@ def change_from_json(data: dict[str, Any]) -> Change:
     return cls(**data)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Manifest:
+@dataclass(slots=True, kw_only=True, eq=False, repr=False)
+class Manifest(_Record):
     """One validated manifest. ``requires`` (the vLLM symbols the plugin relies on) is judged only by
     the review tools and ``Status.requirements``, never by the hook, so the plan cache leaves it out:
     a ``Manifest`` read from the cache has ``requires == ()``; ``patchkit.manifest.load(file)`` has them."""
@@ -247,8 +281,8 @@ class Manifest:
                       "chain": tuple((str(f), str(h)) for f, h in data["chain"])})
 
 
-@dataclass(frozen=True, slots=True)
-class Compiled:
+@dataclass(slots=True, eq=False, repr=False)
+class Compiled(_Record):
     """What the hook needs: the selected manifest (or why there is none) and the plan order."""
 
     manifest: Manifest | None

@@ -128,3 +128,28 @@ def test_the_hook_loads_only_the_warm_path(tmp_path):
     patchkit_modules = {m for m in loaded if m.startswith("patchkit")}
     assert patchkit_modules == WARM_PATH - {"patchkit", "patchkit.plan"}
     assert not loaded & {"yaml", "jsonschema", "packaging", "packaging.specifiers"}, loaded
+
+
+def test_plan_records_behave_as_frozen_dataclasses():
+    # patchkit.plan's classes generate only __init__ (hook cost); the rest comes from _Record
+    import dataclasses
+
+    from patchkit.plan import Manifest, Patch, Requirement
+
+    patch = Patch(id="a", target="m:f", op="wrap", with_="p:w", when={"env": {"X": "1"}})
+    assert dataclasses.is_dataclass(patch) and not hasattr(patch, "__dict__")
+    for attempt in (lambda: setattr(patch, "id", "b"), lambda: delattr(patch, "target"),
+                    lambda: setattr(patch, "new_attribute", 1)):
+        with pytest.raises((dataclasses.FrozenInstanceError, AttributeError)):
+            attempt()
+    assert patch.id == "a"
+    assert patch == Patch(id="a", target="m:f", op="wrap", with_="p:w", when={"env": {"X": "1"}})
+    assert patch != dataclasses.replace(patch, id="b") and patch != Requirement(id="a", target="m:f")
+    assert repr(patch).startswith("Patch(id='a', target='m:f'") and "with_='p:w'" in repr(patch)
+    with pytest.raises(TypeError):
+        Patch(target="m:f", op="wrap")  # id is required
+    with pytest.raises(TypeError):
+        hash(patch)
+    manifest = Manifest(file="f", plugin="p", packages=("p",), vllm_version="==1", vllm_commit=None, fallback=False,
+                        entries=(patch,), models=(), digest="d", chain=())
+    assert Manifest.from_json(manifest.to_json()) == manifest
