@@ -162,7 +162,9 @@ class Patch(Change):
     (``value``, plain data, or the ``with`` object; ``has_value`` says which)."""
 
     kind: ClassVar[str] = "patch"
-    op: str  # type: ignore[misc]  # a field here, a property on the other changes
+    # a field here, a property on the other changes; field() keeps it required (without it, @dataclass
+    # would take the inherited property as its default)
+    op: str = field()  # type: ignore[misc]
     with_: str | None = None
     value: Any = None
     has_value: bool = False

@@ -149,6 +149,8 @@ def test_plan_records_behave_as_frozen_dataclasses():
     with pytest.raises(TypeError):
         Patch(target="m:f", op="wrap")  # id is required
     with pytest.raises(TypeError):
+        Patch(id="a", target="m:f")  # so is op, which Change has as a property
+    with pytest.raises(TypeError):
         hash(patch)
     manifest = Manifest(file="f", plugin="p", packages=("p",), vllm_version="==1", vllm_commit=None, fallback=False,
                         entries=(patch,), models=(), digest="d", chain=())
