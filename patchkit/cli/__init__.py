@@ -189,6 +189,9 @@ def run() -> None:
     at exit took longer than some commands' own work. Output is flushed first; nothing else
     needs an orderly interpreter shutdown (no ``atexit`` handlers of patchkit's own run here).
     """
+    from patchkit.cli import review
+
+    review.KEEP = []  # check leaves its trees here instead of freeing them before the exit
     code = main()
     try:
         sys.stdout.flush()

@@ -37,14 +37,14 @@ def _emit(code: int, output: str, error_codes: tuple[int, ...] = (2,)) -> int:
     return code
 
 
-_KEPT: list[object] = []  # what ``check`` parsed, left for the console script's exit to drop unfreed
+KEEP: list[object] | None = None  # set by ``patchkit.cli.run``: what to leave unfreed until its hard exit
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Run ``patchkit check`` and print its output (stderr for exit 2)."""
     from patchkit.review.check import run_check
 
-    code, output = run_check(args.manifest, args.vllm, args.base, args.format, keep=_KEPT)
+    code, output = run_check(args.manifest, args.vllm, args.base, args.format, keep=KEEP)
     return _emit(code, output)
 
 
