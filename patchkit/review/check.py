@@ -172,7 +172,12 @@ def _check_all(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vl
             return _check_json(manifest, open_tree(vllm_src), open_tree(base_src) if base_src else None,
                                [entries[i] for i in theirs])
         child = forked.start(other_half)
-    rows, parsed, problems = _check_json(manifest, tree, base, [entries[i] for i in mine])
+    try:
+        rows, parsed, problems = _check_json(manifest, tree, base, [entries[i] for i in mine])
+    except BaseException:
+        if child is not None:
+            child.result()  # let it finish and reap it (it may be blocked writing) before the error goes on
+        raise
     by_index = dict(zip(mine, rows, strict=True))
     if child is not None:
         got = child.result()
