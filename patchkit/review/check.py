@@ -137,24 +137,23 @@ def _halves(entries: Sequence[Entry], tree: SourceTree) -> tuple[list[int], list
     for i, entry in enumerate(entries):
         groups.setdefault(entry.module, []).append(i)
 
-    def work(module: str) -> int:
-        searches = any(entries[i].op != "require" and "." in entries[i].qualname for i in groups[module])
-        return tree.size(module) * (2 if searches else 1)
-
+    work = {module: tree.size(module) * (2 if any(entries[i].op != "require" and "." in entries[i].qualname
+                                                  for i in members) else 1)
+            for module, members in groups.items()}
     halves: tuple[list[int], list[int]] = ([], [])
     load = [0, 0]
-    for module in sorted(groups, key=lambda m: (-work(m), m)):
+    for module in sorted(groups, key=lambda m: (-work[m], m)):
         side = 0 if load[0] <= load[1] else 1
         halves[side].extend(groups[module])
-        load[side] += work(module)
+        load[side] += work[module]
     return sorted(halves[0]), sorted(halves[1])
 
 
 def _check_json(manifest: Manifest, tree: SourceTree, base: SourceTree | None,
                 entries: Sequence[Entry]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """``check_entries`` as JSON: (entry objects, modules parsed, problems)."""
+    """``check_entries`` as JSON: (entry objects, modules of ``tree`` parsed, problems of both trees)."""
     rows = [r.to_json() for r in check_entries(manifest, tree, base, entries)]
-    return rows, tree.parsed + (base.parsed if base else []), tree.problems + (base.problems if base else [])
+    return rows, tree.parsed, tree.problems + (base.problems if base else [])
 
 
 def _check_all(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vllm_src: str,
