@@ -4,7 +4,8 @@ equal cores, in one run with the sides rotated.
 For each model in ``--models`` (``tiny``: the tests' float32 Llama, hidden 64, 2 layers; ``heavy``: a
 compute-heavy Llama, hidden 1024, intermediate 4096, 4 layers, 16 heads of 64; ``heavy-moe``: a Qwen3-MoE of
 the same attention with 8 experts of intermediate 1024, top-2; ``balanced``: the heavy Llama with intermediate
-1024, whose MLP has about as many weights as its attention) it starts:
+1024, whose MLP has about as many weights as its attention; ``llama-h<H>-i<I>-l<L>``: a Llama of hidden H,
+intermediate I and L layers, heads of 64, four query heads per KV head) it starts:
 
 - ``plain``: plain vLLM, its worker on cores ``0-1`` (two OpenMP threads);
 - ``afd-n1``, ``afd-n2``, ``afd-n3``: AFD 1A1F with 1, 2, 3 micro-batches (``micro_batch_min_tokens``
@@ -61,6 +62,20 @@ MODELS = {  # name -> (family, config overrides)
     "heavy-moe": ("qwen3_moe", {**HEAVY, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 1024}),
 }
 ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM"}
+SHAPED = re.compile(r"^llama-h(\d+)-i(\d+)-l(\d+)$")  # e.g. llama-h512-i1024-l16: heads of 64, 4 per KV head
+
+
+def model_spec(name: str) -> tuple[str, dict[str, int]]:
+    """(family, config overrides) of a named model of ``MODELS`` or a shaped Llama ``llama-h<H>-i<I>-l<L>``."""
+    if name in MODELS:
+        return MODELS[name]
+    match = SHAPED.match(name)
+    if not match:
+        raise SystemExit(f"unknown model {name!r}: one of {sorted(MODELS)} or llama-h<H>-i<I>-l<L>")
+    hidden, intermediate, layers = (int(g) for g in match.groups())
+    heads = max(1, hidden // 64)
+    return "llama", {"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+                     "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 4), "head_dim": 64}
 PLAIN_CORES, ATTENTION_CORE, FFN_CORE = "0-1", "0", "1"
 
 
@@ -131,7 +146,7 @@ class Setup:
 
 
 def run_model(name: str, args: argparse.Namespace, trace: Path | None) -> None:
-    family, overrides = MODELS[name]
+    family, overrides = model_spec(name)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         env = vllm_env(PYTHONUNBUFFERED="1", VLLM_CACHE_ROOT=str(work / "vllm-cache"))
@@ -139,7 +154,7 @@ def run_model(name: str, args: argparse.Namespace, trace: Path | None) -> None:
         model = build_tokenizer(build(work / name, family, overrides=overrides), vocab_size=512)
         setups = [Setup("plain", family, model, work, env, args)]
         setups += [Setup(f"afd-n{n}", family, model, work, env, args, micro_batches=n, min_tokens=args.min_tokens)
-                   for n in (1, 2, 3)]
+                   for n in args.micro_batches]
         if args.two_attention:
             setups.append(Setup("afd-2a-n2", family, model, work, env, args, micro_batches=2, ranks=2,
                                 min_tokens=args.min_tokens))
@@ -204,7 +219,7 @@ def traces(name: str, family: str, model: Path, work: Path, env: dict[str, str],
 
 def report(name: str, args: argparse.Namespace, setups: list[Setup], tps: dict[str, list[float]],
            loadavg: list[float], overlap: dict[str, tuple[float, float]]) -> None:
-    family, overrides = MODELS[name]
+    family, overrides = model_spec(name)
     print(f"\n== {name}: {family} {overrides or '(hidden 64, 2 layers)'}; OpenAI server, {args.requests} concurrent "
           f"x {args.tokens} tokens, greedy, float32, {'eager' if args.eager else 'default compilation'}; plain on "
           f"cores {PLAIN_CORES}, AFD attention core {ATTENTION_CORE}, FFN core {FFN_CORE}")
@@ -233,6 +248,8 @@ def main() -> None:
     parser.add_argument("--min-tokens", type=int, default=8,
                         help="micro_batch_min_tokens of the AFD setups (the default, 32, would leave a 16-request "
                              "decode step unsplit)")
+    parser.add_argument("--micro-batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3],
+                        help="the AFD 1A1F setups' micro_batches (1 must be among them)")
     parser.add_argument("--two-attention", action="store_true", help="also AFD 2A1F with two micro-batches")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on every server")
     parser.add_argument("--trace", type=Path, help="also draw one step at N=1 and N=2 of the first model here")
