@@ -1,6 +1,6 @@
 """Bytes allocated while each AFD role builds its model, on real vLLM, for every AFD architecture.
 
-A subprocess per family (``harness/construction_bytes.py``) builds the
+One subprocess for every selected family (``harness/construction_bytes.py``) builds each
 FFN-heavy tiny checkpoint's model three times with vLLM's own loader and config
 objects -- plain, attention role, FFN role -- each under a ``TorchDispatchMode``
 allocation counter (all devices), without loading weights or starting an engine.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,25 +31,27 @@ pytestmark = pytest.mark.vllm
 SLACK = 1.05
 
 
+TEST = "test_each_role_allocates_only_its_own_parameters"
+
+
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("afd-construction")
-
-
-def _measure(work: Path, family: str) -> dict[str, dict[str, Any]]:
-    """One subprocess per family (so ``-k family`` builds only that family's models): role -> result."""
-    model = build(work / family, family, wide=True)
-    proc = subprocess.run([sys.executable, "-m", "harness.construction_bytes", f"{family}={model}"],
-                          env=vllm_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+def measured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every selected family measured in one subprocess (``import vllm`` once, not once per family; ``-k
+    family`` builds only that family's models): ``"family/role"`` -> result."""
+    work = tmp_path_factory.mktemp("afd-construction")
+    families = sorted({item.callspec.params["family"] for item in request.session.items
+                       if getattr(item, "originalname", "") == TEST and hasattr(item, "callspec")})
+    models = [f"{family}={build(work / family, family, wide=True)}" for family in families]
+    proc = subprocess.run([sys.executable, "-m", "harness.construction_bytes", *models],
+                          env=vllm_env(), capture_output=True, text=True, timeout=1800, cwd=REPO)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return {r["role"]: r for r in rows}
+    return {f"{r['family']}/{r['role']}": r for r in rows}
 
 
 @pytest.mark.parametrize("family", sorted(ARCH))
-def test_each_role_allocates_only_its_own_parameters(workdir: Path, family: str) -> None:
-    measured = _measure(workdir, family)
-    plain, attn, ffn_role = (measured[role] for role in ("plain", "attention", "ffn"))
+def test_each_role_allocates_only_its_own_parameters(measured: dict[str, dict[str, Any]], family: str) -> None:
+    plain, attn, ffn_role = (measured[f"{family}/{role}"] for role in ("plain", "attention", "ffn"))
     ffn, non_ffn = plain["plain_ffn_params"], plain["plain_non_ffn_params"]
     assert ffn >= 0.9 * (ffn + non_ffn), f"{family}: the FFN-heavy model is not FFN-heavy ({ffn} of {ffn + non_ffn})"
     assert plain["allocated"] >= ffn + non_ffn == plain["params_held"]  # the counter sees every parameter

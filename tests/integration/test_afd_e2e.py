@@ -115,16 +115,33 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("afd-e2e")
 
 
-_PLAIN: dict[str, tuple[Path, dict[str, Any]]] = {}
+_MODELS: dict[str, Path] = {}
+_PLAIN: dict[str, dict[str, Any]] = {}
+
+
+def _model(workdir: Path, family: str) -> Path:
+    """The family's checkpoint (built once per module)."""
+    if family not in _MODELS:
+        _MODELS[family] = _build_model(workdir, family)
+    return _MODELS[family]
 
 
 def _model_and_plain(workdir: Path, family: str) -> tuple[Path, dict[str, Any]]:
     """The family's checkpoint and plain vLLM's result on it (computed once per module)."""
     if family not in _PLAIN:
-        model = _build_model(workdir, family)
-        (plain,) = _run_engines([_spec(f"{family}-plain", "plain", model, family)], workdir)
-        _PLAIN[family] = (model, plain)
-    return _PLAIN[family]
+        (_PLAIN[family],) = _run_engines([_spec(f"{family}-plain", "plain", _model(workdir, family), family)], workdir)
+    return _model(workdir, family), _PLAIN[family]
+
+
+def _run_with_plain(workdir: Path, family: str, specs: list[dict[str, Any]]) -> tuple[dict[str, Any],
+                                                                                     list[dict[str, Any]]]:
+    """Plain vLLM's result on the family's checkpoint and the results of ``specs`` (started 1 s apart); the
+    first time, plain starts alongside them, one second before the first (the engines' start-ups overlap)."""
+    if family in _PLAIN:
+        return _PLAIN[family], _run_engines(specs, workdir, stagger_s=1.0)
+    plain_spec = _spec(f"{family}-plain", "plain", _model(workdir, family), family)
+    _PLAIN[family], *results = _run_engines([plain_spec, *specs], workdir, stagger_s=1.0)
+    return _PLAIN[family], results
 
 
 def _afd(num_attention_ranks: int, schedule: str = "batched") -> dict[str, Any]:
@@ -144,12 +161,12 @@ PLAIN_CANNOT_RUN = {"longcat_flash": "'_moe_C' object has no attribute 'topk_sof
     *((family, "batched") for family in ARCH if family not in PLAIN_CANNOT_RUN), ("qwen3", "pingpong"),
     ("deepseek_v2", "pingpong")])
 def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
-    model, plain = _model_and_plain(workdir, family)
+    model = _model(workdir, family)
     afd = _afd(1, schedule)
-    ffn, attn = _run_engines([
+    plain, (ffn, attn) = _run_with_plain(workdir, family, [
         _spec(f"{family}-ffn", "ffn", model, family, {**afd, "role": "ffn"}),
         _spec(f"{family}-attn", "attention", model, family, {**afd, "role": "attention"}),
-    ], workdir, stagger_s=1.0)
+    ])
     worst = _assert_same_outputs(plain, attn)
     _check_roles(ffn, [attn])
     print(f"{family} 1A1F {schedule}: tokens equal, max |dlogprob| {worst:.2e}; plain {plain['seconds']}, "
@@ -180,12 +197,12 @@ def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) ->
     the FFN role's ``afd_ffn`` folder alike), and both are exact again. (vLLM 0.32 on CPU does not
     reload its saved AOT artifact -- "'function' object has no attribute 'finalize_loading'", plain
     vLLM alike -- so dynamo traces again; inductor's cache under the same folder is what is reused.)"""
-    model = _build_model(workdir, family)
-    (plain,) = _run_engines([_spec(f"{family}-plain-compiled", "plain", model, family, compiled=True)], workdir)
+    model = _model(workdir, family)
     afd = {**_afd(1), "compile_ffn": True}
     specs = [_spec(f"{family}-ffn-compiled", "ffn", model, family, {**afd, "role": "ffn"}, compiled=True),
              _spec(f"{family}-attn-compiled", "attention", model, family, {**afd, "role": "attention"}, compiled=True)]
-    ffn, attn = _run_engines([dict(s) for s in specs], workdir, stagger_s=1.0)
+    plain, ffn, attn = _run_engines([_spec(f"{family}-plain-compiled", "plain", model, family, compiled=True),
+                                     *(dict(s) for s in specs)], workdir, stagger_s=1.0)
     worst = _assert_same_outputs(plain, attn)
     _check_roles(ffn, [attn])
     assert ffn["stats"][0]["ffn_compile_s"] > 0  # the FFN role compiled its modules
@@ -209,7 +226,7 @@ def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) ->
 def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
     """Two attention engines with the same workload share one FFN engine (batched: one FFN call per layer
     over both; pingpong: one per engine and layer, as each arrives)."""
-    model, plain = _model_and_plain(workdir, family)
+    model = _model(workdir, family)
     afd = _afd(2, schedule)
     flags = [str(workdir / f"2a-done-{r}") for r in range(2)]
     for f in flags:
@@ -219,8 +236,8 @@ def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
         spec = _spec(f"{family}-2a-attn{r}", "attention", model, family, {**afd, "role": "attention", "rank": r})
         spec.update(done_flag=flags[r], wait_for=flags)  # both up until both are done: same step counts
         attn_specs.append(spec)
-    ffn, *attns = _run_engines([_spec(f"{family}-2a-ffn", "ffn", model, family, {**afd, "role": "ffn"}),
-                                *attn_specs], workdir, stagger_s=1.0)
+    plain, (ffn, *attns) = _run_with_plain(
+        workdir, family, [_spec(f"{family}-2a-ffn", "ffn", model, family, {**afd, "role": "ffn"}), *attn_specs])
     for attn in attns:
         _assert_same_outputs(plain, attn)
     _check_roles(ffn, attns, schedule)

@@ -19,6 +19,7 @@ from tests.integration.test_afd_e2e import (
     PLAIN_CANNOT_RUN,
     _afd,
     _assert_same_outputs,
+    _model,
     _model_and_plain,
     _run_engines,
     _spec,
@@ -110,10 +111,10 @@ def test_compiled_micro_batches_match_plain_vllm_compiled(workdir: Path) -> None
     inductor around ``afd::exchange``); exact against plain vLLM compiled the same way. The FFN role runs its
     modules eagerly by default (``compile_ffn`` off)."""
     family = "llama"
-    model, _ = _model_and_plain(workdir, family)
-    (plain,) = _run_engines([_spec(f"{family}-ub-plain-compiled", "plain", model, family, compiled=True)], workdir)
+    model = _model(workdir, family)
     afd = _micro(_afd(1), 2)
-    ffn, attn = _run_engines([
+    plain, ffn, attn = _run_engines([
+        _spec(f"{family}-ub-plain-compiled", "plain", model, family, compiled=True),
         _spec(f"{family}-ub2c-ffn", "ffn", model, family, {**afd, "role": "ffn"}, compiled=True),
         _spec(f"{family}-ub2c-attn", "attention", model, family, {**afd, "role": "attention"}, compiled=True),
     ], workdir, stagger_s=1.0)
@@ -130,11 +131,11 @@ def test_mixed_prefill_decode_steps_split_exactly(workdir: Path, family: str) ->
     """With ``max_num_batched_tokens=16`` the 40-token prompt is prefilled in chunks while the short ones
     already decode, so steps mix prefill chunks and decodes, and a micro-batch boundary falls inside a
     request (vLLM's slices split it); two micro-batches stay exact against plain vLLM on the same settings."""
-    model, _ = _model_and_plain(workdir, family)
+    model = _model(workdir, family)
     settings = {"prompts": MIXED_PROMPTS, "max_num_batched_tokens": 16}
-    (plain,) = _run_engines([{**_spec(f"{family}-mixed-plain", "plain", model, family), **settings}], workdir)
     afd = _micro(_afd(1), 2)
-    ffn, attn = _run_engines([
+    plain, ffn, attn = _run_engines([
+        {**_spec(f"{family}-mixed-plain", "plain", model, family), **settings},
         {**_spec(f"{family}-mixed-ffn", "ffn", model, family, {**afd, "role": "ffn"}), **settings},
         {**_spec(f"{family}-mixed-attn", "attention", model, family, {**afd, "role": "attention"}), **settings},
     ], workdir, stagger_s=1.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -42,13 +43,15 @@ def test_afd_is_refused_naming_each_drifted_symbol(drifted_vllm, tiny_llama, tmp
 
 
 def test_plain_generation_from_the_drifted_tree_is_unaffected(drifted_vllm, tiny_llama, tmp_path):
-    drifted = generate(tiny_llama, tmp_path, name="drifted", PYTHONPATH=str(drifted_vllm))
+    with ThreadPoolExecutor(2) as pool:  # two engines at once: their start-ups overlap
+        drifted_run = pool.submit(generate, tiny_llama, tmp_path, name="drifted", PYTHONPATH=str(drifted_vllm))
+        plain = generate(tiny_llama, tmp_path)
+        drifted = drifted_run.result()
     assert drifted.returncode == 0, drifted.output[-4000:]
     probe = "import importlib.util; print(importlib.util.find_spec('vllm').origin)"
     where = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                            env=vllm_env(PYTHONPATH=str(drifted_vllm)))
     assert where.stdout.strip() == str(drifted_vllm / "vllm" / "__init__.py"), where  # the drifted copy ran
-    plain = generate(tiny_llama, tmp_path)
     assert plain.returncode == 0, plain.output[-4000:]
     assert drifted.result is not None and plain.result is not None
     assert drifted.result["tokens"] == plain.result["tokens"]
