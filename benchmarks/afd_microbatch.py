@@ -257,6 +257,8 @@ def main() -> None:
                         help="concurrency levels at which afd-n1 and afd-n2 with micro_batch_min_tokens=2 are "
                              "compared (where a split starts to pay), e.g. 2,4,8,16")
     args = parser.parse_args()
+    if 1 not in args.micro_batches:
+        parser.error("--micro-batches must include 1 (every ratio is reported against afd-n1)")
     for i, name in enumerate(args.models.split(",")):
         run_model(name, args, args.trace if i == 0 else None)
 

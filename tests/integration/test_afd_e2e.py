@@ -129,7 +129,7 @@ def _model(workdir: Path, family: str) -> Path:
 def _model_and_plain(workdir: Path, family: str) -> tuple[Path, dict[str, Any]]:
     """The family's checkpoint and plain vLLM's result on it (computed once per module)."""
     if family not in _PLAIN:
-        (_PLAIN[family],) = _run_engines([_spec(f"{family}-plain", "plain", _model(workdir, family), family)], workdir)
+        _run_with_plain(workdir, family, [])
     return _model(workdir, family), _PLAIN[family]
 
 
