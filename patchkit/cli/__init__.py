@@ -115,13 +115,19 @@ def _origins(file: str) -> dict[str, dict[str, str]]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """Exit 0 when every report in DIR was read and all agree without failure; 1 otherwise, a file that is not
+    this user's own report named with the reason (``report.check``); 2 when DIR cannot be listed."""
     from patchkit.runtime import report
 
     directory = Path(args.dir)
     if not directory.is_dir():
         print(f"patchkit report: {directory}: not a directory", file=sys.stderr)
         return 2
-    ok, lines = report.check(directory)
+    try:
+        ok, lines = report.check(directory)
+    except OSError as exc:
+        print(f"patchkit report: {directory}: cannot list: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     print("\n".join(lines))
     return 0 if ok else 1
 

@@ -12,8 +12,9 @@ How. The directory may sit on a path other users can reach, so it is used only
 when it is a real directory (not a symlink) that the effective user owns and
 nobody else may write; patchkit creates it with mode 0700. Files inside are
 opened relative to that directory's descriptor with ``O_NOFOLLOW | O_NONBLOCK``
-and judged by ``fstat`` of the open descriptor: a regular file, owned by the
-effective user, not group- or world-writable, one link, at most ``MAX_BYTES``.
+and judged by ``fstat`` of the open descriptor (``read_own``, which ``patchkit
+report`` uses too): a regular file, owned by the effective user, not group- or
+world-writable, one link, at most ``MAX_BYTES``.
 Anything else (a symlink, a FIFO, a hard link, a foreign owner, a huge file, an
 unusable directory) is a miss: logged at debug level, never an exception, never
 a wait. Files are written 0600 under a fresh name and renamed into place, so
@@ -40,6 +41,7 @@ the cache is not used at all.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -124,42 +126,71 @@ def read_private(name: str) -> bytes | None:
     if dir_fd is None:
         return None
     try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
-    except OSError:  # absent, a symlink (ELOOP), unreadable: a plain miss
-        return None
+        return read_own(name, dir_fd=dir_fd)
+    except UntrustedFile as exc:
+        logger.debug("patchkit: cache file %s ignored: %s", name, exc)
+    except OSError:  # absent or unreadable: a plain miss
+        pass
     finally:
         os.close(dir_fd)
+    return None
+
+
+class UntrustedFile(OSError):
+    """A file ``read_own`` refused; the message says why (``a symbolic link``, ``owned by uid 65534, ...``)."""
+
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
+def read_own(name: str | os.PathLike[str], dir_fd: int | None = None, max_bytes: int = MAX_BYTES) -> bytes:
+    """The bytes of file ``name`` (relative to ``dir_fd`` when given) if it is this user's own.
+
+    Opened with ``O_NOFOLLOW | O_NONBLOCK`` (a symlink fails, a FIFO does not wait for a writer) and judged by
+    ``fstat`` of the open descriptor, not the path: a regular file, owned by the effective uid (not "or root"),
+    not group- or world-writable, one link, at most ``max_bytes`` (also if it grows while read). Anything else
+    raises ``UntrustedFile`` saying why; other failures (absent, no permission) raise their ``OSError``.
+    Refused everywhere on a platform that cannot open without following a symlink. Used for the cache's files
+    and for ``patchkit report``."""
+    if not _SUPPORTED:
+        raise UntrustedFile("this platform cannot open a file without following a symbolic link")
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UntrustedFile("a symbolic link") from None
+        raise
     try:
         st = os.fstat(fd)
-        problem = _file_problem(st)
+        problem = _file_problem(st, max_bytes)
         if problem:
-            logger.debug("patchkit: cache file %s ignored: %s", name, problem)
-            return None
+            raise UntrustedFile(problem)
         chunks, size = [], 0
-        while size <= MAX_BYTES:
-            chunk = os.read(fd, MAX_BYTES + 1 - size)
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
             if not chunk:
                 break
             chunks.append(chunk)
             size += len(chunk)
-        return b"".join(chunks) if size <= MAX_BYTES else None
-    except OSError:
-        return None
+        if size > max_bytes:
+            raise UntrustedFile(f"grew past {max_bytes} bytes while read")
+        return b"".join(chunks)
     finally:
         os.close(fd)
 
 
-def _file_problem(st: os.stat_result) -> str:
+def _file_problem(st: os.stat_result, max_bytes: int) -> str:
     if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
+        return f"not a regular file ({_KINDS.get(stat.S_IFMT(st.st_mode), 'of an unknown kind')})"
     if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}"
+        return f"owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
     if st.st_mode & 0o022:
         return f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
     if st.st_nlink != 1:
         return f"{st.st_nlink} hard links"
-    if st.st_size > MAX_BYTES:
-        return f"{st.st_size} bytes"
+    if st.st_size > max_bytes:
+        return f"{st.st_size} bytes, more than {max_bytes}"
     return ""
 
 

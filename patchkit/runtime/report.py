@@ -6,7 +6,12 @@ process role, plan digest, and each entry's outcome, fingerprint verdict and
 time. Reports hold no environment variables and no argument values.
 
 ``check(dir)`` reads them all and says whether every process applied the same
-plan (same digest) without failure.
+plan (same digest) without failure. It reads a report as the plan cache reads
+its files (``patchkit.runtime.cache.read_own``): this user's own regular file,
+one link, not writable by others, at most ``MAX_BYTES``, opened without
+following a symlink or waiting on a FIFO. Any other ``*.json`` entry, and one
+that is not a JSON object, is named with the reason and fails the check.
+The folder itself is not judged: whoever may write it can remove reports.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from patchkit.runtime.cache import UntrustedFile, read_own
+
+MAX_BYTES = 1 << 20  # a report is a few KB
 
 
 def process_role() -> str:
@@ -42,36 +51,60 @@ def write(report: dict[str, Any]) -> Path | None:
 
 
 def load_all(directory: Path) -> list[dict[str, Any]]:
+    """The ``*.json`` reports in ``directory`` (hidden names skipped), by name, each with its ``file`` name.
+
+    ``not_read`` is None for a report read; ``"refused"`` for a file ``read_own`` refuses and ``"unreadable"``
+    for one that cannot be read or is not a JSON object, with the reason in ``error``. ``OSError`` when the
+    folder cannot be listed."""
     reports = []
-    for p in sorted(directory.glob("*.json")):
-        try:
-            reports.append({"file": p.name, **json.loads(p.read_text())})
-        except (OSError, ValueError) as exc:
-            reports.append({"file": p.name, "status": "unreadable", "error": str(exc), "digest": None})
+    dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for name in sorted(n for n in os.listdir(dir_fd) if n.endswith(".json") and not n.startswith(".")):
+            try:
+                data = json.loads(read_own(name, dir_fd=dir_fd, max_bytes=MAX_BYTES))
+            except UntrustedFile as exc:
+                reports.append({"file": name, "not_read": "refused", "error": str(exc)})
+            except (OSError, ValueError, RecursionError) as exc:
+                reports.append({"file": name, "not_read": "unreadable", "error": f"{type(exc).__name__}: {exc}"})
+            else:
+                reports.append({**data, "file": name, "not_read": None} if isinstance(data, dict) else
+                               {"file": name, "not_read": "unreadable", "error": "not a JSON object"})
+    finally:
+        os.close(dir_fd)
     return reports
 
 
 def check(directory: Path) -> tuple[bool, list[str]]:
-    """(all processes agree and none failed, human-readable lines)."""
+    """(all processes agree and none failed and every report was read, human-readable lines)."""
     reports = load_all(directory)
     if not reports:
         return False, [f"no reports in {directory}"]
     lines = []
+    read, unread = [], []
     for r in reports:
+        if r["not_read"]:
+            unread.append(r)
+            lines.append(f"{r['file']}: {r['not_read'].upper()}: {r['error']}")
+            continue
+        read.append(r)
         counts: dict[str, int] = {}
-        for e in r.get("entries", []):
-            counts[e["outcome"]] = counts.get(e["outcome"], 0) + 1
+        entries = r.get("entries")
+        for e in entries if isinstance(entries, list) else []:
+            outcome = str(e.get("outcome")) if isinstance(e, dict) else "malformed"
+            counts[outcome] = counts.get(outcome, 0) + 1
         summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         lines.append(f"{r['file']}: pid {r.get('pid')} role {r.get('role')} plan {r.get('digest')} "
                      f"{r.get('status')}: {summary}" + (f" — {r['error']}" if r.get("error") else ""))
-    digests = {r.get("digest") for r in reports}
-    failed = [r for r in reports if r.get("status") not in ("active", "reverted")]
-    ok = len(digests) == 1 and not failed
-    if len(digests) != 1:
-        lines.append(f"MISMATCH: {len(digests)} different plans: {', '.join(sorted(map(str, digests)))}")
+    digests = {str(r.get("digest")) for r in read}
+    failed = [r for r in read if r.get("status") not in ("active", "reverted")]
+    ok = len(digests) == 1 and not failed and not unread
+    if len(digests) > 1:
+        lines.append(f"MISMATCH: {len(digests)} different plans: {', '.join(sorted(digests))}")
     if failed:
         lines.append(f"FAILED: {len(failed)} process(es) did not apply their plan")
-    lines.append(f"{'OK' if ok else 'NOT OK'}: {len(reports)} process(es), plan {'/'.join(sorted(map(str, digests)))}")
+    if unread:
+        lines.append(f"NOT READ: {len(unread)} file(s): {', '.join(r['file'] for r in unread)}")
+    lines.append(f"{'OK' if ok else 'NOT OK'}: {len(read)} process(es), plan {'/'.join(sorted(digests))}")
     return ok, lines
 
 
