@@ -8,11 +8,16 @@ and whether ``rebind`` covers it, the subclasses that override a method target,
 whether ``retire_when`` holds for the tree's version, and — given ``base_src``,
 the tree the manifest was written against — a unified diff of each drifted or
 moved target. Requirements (``requires:``, entries with op ``require`` and id
-``require:<target>``) get the same verdicts, judged by their ``pin``.
+``require:<target>``) get the same verdicts, judged by their ``pin``. Each callable an entry hands
+patchkit (``with``, ``active_if``, ``role_of``) is compared with its target's signature
+(``patchkit.review.signatures``: the rule per op, and what is not compared); a callable that does not
+fit names the manifest file and line, the parameters and both signatures.
 
 Exit codes: 0 nothing would fail; 1 an entry that is required with
 ``on_drift: fail`` is drifted, moved or missing (an ``op: set`` entry whose
-owner exists may create a missing attribute and does not fail); 2 bad input —
+owner exists may create a missing attribute and does not fail), or an entry's callable does not fit
+its target (whatever ``required`` and ``on_drift`` say, as a wrapper that is installed breaks every
+call; unless ``on_drift: skip`` leaves a drifted target unpatched); 2 bad input —
 missing path, not a vLLM tree, corrupt wheel, invalid manifest, unknown format.
 For exit 2 the output is the error text (for an invalid manifest, the
 ``file:line: field: message`` lines); no input produces a traceback.
@@ -34,6 +39,7 @@ from typing import Any
 
 from patchkit.plan import Entry, Manifest, ManifestError
 from patchkit.review import forked
+from patchkit.review.signatures import Checker, Fit
 from patchkit.review.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
 
 FORMATS = ("text", "markdown", "json")
@@ -51,13 +57,14 @@ class EntryCheck:
     diff: str | None
     file: str | None
     line: int | None
+    signatures: list[Fit]
 
     def to_json(self) -> dict[str, Any]:
         r = self.report
         return {
             "id": self.entry.id, "target": self.entry.target, "op": self.entry.op,
             "pin": self.entry.pin if self.entry.op == "require" else None,
-            "required": self.entry.required, "on_drift": self.entry.on_drift,
+            "required": self.entry.required, "on_drift": self.entry.on_drift, "source": self.entry.source,
             "verdict": r.verdict, "fails": self.fails,
             "fingerprint": {"pinned": r.pinned, "found": r.found},
             "definition": None if r.definition is None else {
@@ -70,6 +77,7 @@ class EntryCheck:
                            "calls_super": o.calls_super} for o in r.overrides],
             "retire": self.retire,
             "diff": self.diff,
+            "signatures": [f.to_json() for f in self.signatures],
         }
 
 
@@ -109,6 +117,7 @@ def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None 
     drifted ones against ``base``)."""
     resolver = Resolver(tree)
     base_resolver = Resolver(base) if base is not None else None
+    signatures = Checker(resolver)
     results = []
     for entry in (*manifest.entries, *manifest.requires) if entries is None else entries:
         report = analyze(resolver, entry, manifest.packages)
@@ -116,6 +125,9 @@ def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None 
         if creates:
             report.notes.append("op 'set' creates the attribute: not a failure")
         fails = entry.required and entry.on_drift == "fail" and report.verdict in _FAILING and not creates
+        fits = signatures.check(entry, report.definition)
+        installed = not (entry.on_drift == "skip" and report.verdict != "ok")
+        fails = fails or (installed and any(f.fits is False for f in fits))
         retire = None
         retire_when = getattr(entry, "retire_when", {})  # changes have it, requirements do not
         if "vllm" in retire_when:
@@ -124,7 +136,7 @@ def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None 
         d = report.definition
         file = tree.path_of(d.module) if d else None
         results.append(EntryCheck(entry, report, fails, retire, _diff(entry, report, tree, base_resolver),
-                                  file, d.first_line if d else None))
+                                  file, d.first_line if d else None, fits))
     return results
 
 
@@ -238,6 +250,7 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
     doc["summary"] = {"entries": len(rows), "requirements": len(loaded.requires),
                       "verdicts": counts, "failing": [row["id"] for row in rows if row["fails"]],
+                      "misfits": [row["id"] for row in rows if any(f["fits"] is False for f in row["signatures"])],
                       "uncovered_sites": sum(row["uncovered_sites"] for row in rows),
                       "modules": len(tree.modules), "parsed": parsed,
                       "seconds": round(time.perf_counter() - started, 3)}
@@ -289,6 +302,7 @@ def _text(doc: dict[str, Any]) -> str:
             for o in e["overrides"]:
                 sup = "calls super" if o["calls_super"] else "does not call super"
                 out.append(f"      {o['ref']} ({o['file']}:{o['line']}, {sup})")
+        out.extend(f"    {line}" for line in _signature_lines(e))
         retire = _retire_text(e["retire"])
         if retire:
             out.append(f"    {retire}")
@@ -301,10 +315,30 @@ def _text(doc: dict[str, Any]) -> str:
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
     out.append("")
     out.append(f"{s['entries']} entries ({s['requirements']} requirements): {verdicts}; "
-               f"{s['uncovered_sites']} uncovered alias sites; "
-               f"failing: {', '.join(s['failing']) or 'none'} (exit {doc['exit_code']})")
+               f"{s['uncovered_sites']} uncovered alias sites; callables that do not fit: "
+               f"{', '.join(s['misfits']) or 'none'}; failing: {', '.join(s['failing']) or 'none'} "
+               f"(exit {doc['exit_code']})")
     out.append(f"parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s")
     return "\n".join(out) + "\n"
+
+
+def _signature_lines(e: dict[str, Any]) -> list[str]:
+    """What the text and Markdown outputs say of one entry's callables: one line per callable that
+    fits or was not compared; for one that does not fit, where the entry is, both signatures and
+    each parameter's problem."""
+    out = []
+    for f in e["signatures"]:
+        if f["fits"]:
+            out.append(f"{f['role']} {f['callable']} fits the target")
+        elif f["fits"] is None:
+            out.append(f"{f['role']} {f['callable']}: {f['note']}")
+        else:
+            out.append(f"SIGNATURE MISMATCH at {e['source']} (entry {e['id']}): {f['role']} {f['callable']} "
+                       "does not accept every call of the target")
+            out.append(f"  target:   {f['target_signature']}")
+            out.append(f"  callable: {f['callable_signature']}")
+            out.extend(f"  {p['parameter']}: {p['message']}" for p in f["problems"])
+    return out
 
 
 def _md(text: str) -> str:
@@ -332,6 +366,10 @@ def _markdown(doc: dict[str, Any]) -> str:
             out.append(f"- defined at `{e['definition']['file']}:{e['definition']['line']}`")
         out += [f"- candidate `{c}`" for c in e["candidates"]]
         out += [f"- note: {_md(n)}" for n in e["notes"]]
+        if any(f["fits"] is False for f in e["signatures"]):
+            out += ["", "```", *_signature_lines(e), "```"]
+        else:
+            out += [f"- {_md(line)}" for line in _signature_lines(e)]
         if e["alias_sites"]:
             out += ["", "| site | kind | binds | from | covered | why |", "|---|---|---|---|---|---|"]
             out += [f"| `{_md(a['file'])}:{a['line']}` | {a['kind']} | `{a['bound']}` | `{a['source']}` | "
@@ -346,7 +384,8 @@ def _markdown(doc: dict[str, Any]) -> str:
         out += ["", "Problems:", ""] + [f"- {_md(p)}" for p in doc["problems"]]
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
     out += ["", f"**{s['entries']} entries** ({s['requirements']} requirements): "
-            f"{verdicts}; {s['uncovered_sites']} uncovered alias sites; failing: "
+            f"{verdicts}; {s['uncovered_sites']} uncovered alias sites; callables that do not fit: "
+            f"{', '.join(f'`{f}`' for f in s['misfits']) or 'none'}; failing: "
             f"{', '.join(f'`{f}`' for f in s['failing']) or 'none'} (exit {doc['exit_code']}). "
             f"Parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s."]
     return "\n".join(out) + "\n"

@@ -50,7 +50,8 @@ class TargetReport:
         return [s for s in self.sites if not s.covered]
 
 
-def _decorator_names(node: ast.AST) -> set[str]:
+def decorator_names(node: ast.AST) -> set[str]:
+    """The last name of each decorator of ``node`` (``functools.cache`` → ``cache``; a call: its callee's)."""
     names = set()
     for dec in getattr(node, "decorator_list", []):
         expr = dec.func if isinstance(dec, ast.Call) else dec
@@ -114,7 +115,7 @@ def analyze(resolver: Resolver, entry: Entry, packages: tuple[str, ...]) -> Targ
     if entry.fingerprint and definition.kind == "attribute":
         report.notes.append("an assignment: at run time its value has no source, so a pinned fingerprint "
                             "reads as 'unverifiable' there")
-    if _decorator_names(definition.node) & {"property", "cached_property"}:
+    if decorator_names(definition.node) & {"property", "cached_property"}:
         report.notes.append("a property: at run time the fingerprint of the property object is 'unverifiable'")
 
     if isinstance(entry, ScopedRebind):
