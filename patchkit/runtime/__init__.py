@@ -11,5 +11,6 @@ target module imported yet, ``patchkit.activate`` loads only ``patchkit``,
 post-import callbacks); everything else (``targets``, ``wrappers``, ``scoped``,
 ``rebind``, ``vllm``, ``fingerprint``, ``report``) is imported inside the function
 that first needs it, and nothing imports YAML, JSON Schema or ``packaging``.
-``tests/patchkit/test_layers.py`` enforces both the layers and this list.
+The layers are import-linter contracts in ``pyproject.toml`` (``lint-imports``);
+``tests/patchkit/test_layers.py`` runs them and asserts this list.
 """

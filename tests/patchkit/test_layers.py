@@ -1,95 +1,75 @@
-"""patchkit's layers: imports go one way and never in a circle.
+"""patchkit's layers: imports go one way and never in a circle; the hook loads only its warm path.
 
-Layers, lowest first: the shared basics (``plan``, with the error types, and ``fingerprint``),
-``runtime`` (runs in every vLLM process), ``manifest`` (YAML, validation,
-selection), ``review`` (reads a vLLM tree without importing it), and on top the
-CLI and the package root (the public API). A module may import its own
-layer or a lower one. Every import counts, also one inside a function or under
-``TYPE_CHECKING``: a lazy import is still a dependency. The one exception is the
-root's ``__version__`` (metadata, not code).
+The import rules are import-linter contracts in ``pyproject.toml`` (``[tool.importlinter]``):
+layers, lowest first, the shared basics (``plan``, with the error types, and ``fingerprint``),
+``runtime`` (runs in every vLLM process), ``manifest`` (YAML, validation, selection), ``review``
+(reads a vLLM tree without importing it), and on top the CLI and the package root (the public
+API); no cycles between patchkit's packages or modules; only the top imports the root (the one
+exception: ``runtime.cache`` reads the root's ``__version__``); afd_patches imports only the
+root. Every import counts, also one inside a function or under ``TYPE_CHECKING``. This file runs
+``lint-imports`` on the tree, and on a copy with one deliberate violation of each contract.
+What a contract cannot say stays here: the modules the hook loads, and the plan records' behaviour.
 """
 
 from __future__ import annotations
 
-import ast
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from patchkit.manifest.validate import _find_cycle
 from tests.support.manifests import header
 
-PACKAGE = Path(__file__).resolve().parents[2] / "patchkit"
-BASICS = {"patchkit.plan", "patchkit.fingerprint"}
-LAYERS = ["basics", "runtime", "manifest", "review", "top"]
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "patchkit"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` (this environment's) with ``root``'s ``pyproject.toml``, run in ``root`` so that
+    its packages are the ones analysed; no cache written."""
+    command = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run([str(command), "--no-cache", "--config", "pyproject.toml"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
 
 
-def layer(module: str) -> int:
-    if module in BASICS:
-        return 0
-    second = module.split(".")[1] if "." in module else ""
-    return LAYERS.index(second) if second in LAYERS[1:4] else LAYERS.index("top")
+def test_the_import_contracts_hold() -> None:
+    result = lint_imports(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+VIOLATIONS = {
+    # a lazy upward import: runtime reaching the CLI from inside a function
+    "patchkit/runtime/engine.py": "\n\ndef _upward():\n    from patchkit.cli import run\n",
+    # a cycle between two sibling modules of one layer
+    "patchkit/runtime/hooks.py": "\nfrom patchkit.runtime import rebind\n",
+    "patchkit/runtime/rebind.py": "\nfrom patchkit.runtime import hooks\n",
+    # a lower layer using the public API it sits under
+    "patchkit/manifest/inherit.py": "\nfrom patchkit import activate\n",
+}
 
 
-def imports_of(path: Path, known: set[str]) -> set[str]:
-    """The patchkit modules ``path`` imports anywhere in its source."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("patchkit"))
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("patchkit"):
-            for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                if sub in known:
-                    out.add(sub)
-                elif not (node.module == "patchkit" and alias.name == "__version__"):
-                    out.add(node.module)  # type: ignore[arg-type]
-    return out
-
-
-def graph() -> dict[str, set[str]]:
-    found = modules()
-    return {name: imports_of(path, set(found)) - {name} for name, path in found.items()}
-
-
-def test_every_import_goes_to_the_same_or_a_lower_layer():
-    upward = [f"{mod} ({LAYERS[layer(mod)]}) imports {dep} ({LAYERS[layer(dep)]})"
-              for mod, deps in graph().items() for dep in sorted(deps) if layer(dep) > layer(mod)]
-    assert not upward, "\n".join(upward)
-
-
-def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
-    """A cycle in ``g`` as ``[a, b, ..., a]``, or None (the manifest loader's cycle finder, on sorted edges)."""
-    return _find_cycle({node: sorted(deps) for node, deps in sorted(g.items())})
-
-
-def test_no_import_cycles():
-    cycle = find_cycle(graph())
-    assert cycle is None, " -> ".join(cycle or [])
-
-
-@pytest.mark.parametrize("g, expected", [
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
-    ({"a": {"b"}, "b": set()}, None),
-])
-def test_the_cycle_finder_finds_cycles(g, expected):
-    assert find_cycle(g) == expected
-
-
-def test_an_upward_import_is_caught(tmp_path):
-    bad = tmp_path / "m.py"
-    bad.write_text("def f():\n    from patchkit.cli import main\n")
-    deps = imports_of(bad, set(modules()))
-    assert deps == {"patchkit.cli"} and layer("patchkit.cli") > layer("patchkit.runtime.engine")
+def test_a_violation_of_each_contract_breaks_it(tmp_path: Path) -> None:
+    """A copy of the tree with one violation per contract: ``lint-imports`` exits 1 and names each."""
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(PACKAGE, tmp_path / "patchkit", ignore=shutil.ignore_patterns("__pycache__"))
+    for rel, text in VIOLATIONS.items():
+        with open(tmp_path / rel, "a") as fh:
+            fh.write(text)
+    plugin = tmp_path / "afd_patches"
+    plugin.mkdir()
+    (plugin / "__init__.py").write_text("TYPE_CHECKING = False\nif TYPE_CHECKING:\n"
+                                        "    from patchkit.runtime.engine import Run\n")
+    result = lint_imports(tmp_path)
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "Contracts: 0 kept, 4 broken." in out, out
+    assert "patchkit.runtime.engine -> patchkit.cli" in out
+    assert "No cycles are allowed in patchkit.runtime." in out and ".rebind -> .hooks" in out
+    assert "patchkit.manifest.inherit is not allowed to import patchkit:" in out
+    assert "afd_patches -> patchkit.runtime.engine" in out
 
 
 WARM_PATH = {"patchkit", "patchkit.plan", "patchkit.runtime", "patchkit.runtime.cache", "patchkit.runtime.engine",
