@@ -42,6 +42,11 @@ class ConnectorClosed(ConnectorError):
     """The peer shut down (normal end of an FFN loop)."""
 
 
+class ConnectorDropped(ConnectorError):
+    """The FFN rank dropped this attention rank from a batched step it did not send within ``timeout_s`` of the
+    other ranks (a stalled worker); this connector is unusable, a new one re-joins the group."""
+
+
 class ConnectorMismatch(ConnectorError):
     """The two sides were configured differently; the message names each field and both values."""
 

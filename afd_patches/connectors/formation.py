@@ -1,11 +1,14 @@
 """Forming one AFD group for a connector: the rendezvous, then the transport its backend needs.
 
-``form(conn, deadline, wait_s)`` returns ``(transport, store)``: the connected ``Transport`` and, on
-gloo/NCCL, the ``MacStore`` the heartbeats use (``None`` on tcp). Per rank:
+``form(conn, deadline, wait_s)`` returns ``(transport, store, rejoins)``: the connected ``Transport``, on
+gloo/NCCL the ``MacStore`` the heartbeats use (``None`` on tcp), and on FFN rank 0 of a tcp group under
+``batched`` that serves several attention ranks the ``rendezvous.Rejoins`` that takes back the ranks it drops
+(else ``None``). Per rank:
 
 - FFN rank 0: admits every other rank's session at the configured address (``rendezvous.collect``),
   draws the group id and answers each with its verdict. On tcp it keeps the sessions of the attention
-  ranks it serves as their links; on gloo/NCCL its listening socket becomes the group's ``TCPStore``.
+  ranks it serves as their links (and its listening socket for re-joins, see above); on gloo/NCCL its
+  listening socket becomes the group's ``TCPStore``.
 - another FFN rank (tcp): listens for data sessions first (``data_port``), joins FFN rank 0 advertising
   that address, then admits exactly its served attention ranks for that group id.
 - an attention rank: joins FFN rank 0; on tcp keeps that session as its link, or opens a data session
@@ -48,6 +51,7 @@ class Member(Protocol):
     world_size: int
     peers: list[int]
     backend: str
+    schedule: str
     device: torch.device
     host: str
     timeout_s: float
@@ -70,8 +74,9 @@ class Member(Protocol):
 WILDCARDS = ("0.0.0.0", "::")
 
 
-def form(conn: Member, deadline: float, wait_s: float) -> tuple[Transport, Any]:
-    """The connected transport and, on gloo/NCCL, the ``MacStore`` for the heartbeats (see the module)."""
+def form(conn: Member, deadline: float, wait_s: float) -> tuple[Transport, Any, rendezvous.Rejoins | None]:
+    """The connected transport, on gloo/NCCL the ``MacStore`` for the heartbeats, the re-join gate (see the
+    module)."""
     cfg = conn.config
     a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
     if conn.global_rank == 0:
@@ -92,31 +97,35 @@ def form(conn: Member, deadline: float, wait_s: float) -> tuple[Transport, Any]:
 
         METRICS.add("handshakes_accepted", len(joined))
         if conn.backend == "tcp":
-            listener.close()
+            rejoins = None
+            if conn.schedule == "batched" and len(conn.peers) > 1:
+                rejoins = rendezvous.Rejoins(listener, conn.hello(), conn.token, conn.address, group, expected)
+            else:
+                listener.close()
             rendezvous.accept(joined, group, ffn_of)
             served = {topology.global_rank(role, rank, a, f): j.session for (role, rank), j in joined.items()
                       if role == topology.ATTENTION and topology.global_rank(role, rank, a, f) in conn.peers}
             for (role, rank), j in joined.items():
                 if topology.global_rank(role, rank, a, f) not in served:
                     j.session.close()
-            return _tcp(conn, served), None
-        return _torch_group(conn, group, deadline, listener, joined, ffn_of)
+            return _tcp(conn, served), None, rejoins
+        return (*_torch_group(conn, group, deadline, listener, joined, ffn_of), None)
     if conn.backend == "tcp" and conn.role == topology.FFN:
-        return _tcp_ffn(conn, deadline, wait_s), None
+        return _tcp_ffn(conn, deadline, wait_s), None, None
     session, _, verdict = rendezvous.join(conn.host, cfg.port, conn.hello(), deadline, wait_s, conn.token,
                                           conn.cancelled)
     METRICS.add("handshakes_accepted")
     conn.group = verdict["group"]
     if conn.backend != "tcp":
         session.close()
-        return _torch_group(conn, verdict["group"], deadline, None, {}, None)
+        return (*_torch_group(conn, verdict["group"], deadline, None, {}, None), None)
     if not verdict["ffn"]:
-        return _tcp(conn, {conn.peers[0]: session}), None
+        return _tcp(conn, {conn.peers[0]: session}), None, None
     session.close()
     host, _, port = verdict["ffn"].rpartition(":")
     data, _, _ = rendezvous.join(host.strip("[]"), int(port), conn.hello("data", verdict["group"]), deadline,
                                   wait_s, conn.token, conn.cancelled)
-    return _tcp(conn, {conn.peers[0]: data}), None
+    return _tcp(conn, {conn.peers[0]: data}), None, None
 
 
 def _tcp(conn: Member, sessions: dict[int, Session]) -> Transport:

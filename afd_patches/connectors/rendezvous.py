@@ -21,6 +21,11 @@ Verdict
     FFN rank opens its data session: the address that FFN rank advertised inside its own authenticated
     hello. ``{"verdict": "fail", "kind", "message"}`` otherwise.
 
+Re-joins (``backend: tcp``, ``schedule: batched``, FFN rank 0 serving several attention ranks)
+    FFN rank 0 keeps its port open behind the same ``Gate`` for the group's life (``Rejoins``): an attention
+    rank it dropped from a step re-joins the live group through the ordinary rendezvous (the same hello,
+    the same ``ok`` verdict with the same group id); every other claim is refused and the group goes on.
+
 Data sessions (``backend: tcp``, FFN ranks other than 0)
     The same session protocol with ``purpose: data`` and the group id: the FFN rank accepts exactly the
     attention ranks it serves, for the group it was told about, then answers each with an ``ok`` verdict.
@@ -101,14 +106,8 @@ def collect(listener: socket.socket, own: Hello, expected: set[tuple[str, int]],
                 raise ConnectorMismatch(f"AFD rendezvous at {address} failed: {own.who} and {hello.who} disagree "
                                         f"on {diff}")
             key = (hello.role, hello.rank)
-            wanted = ("data", group) if group else ("group", "")
-            why = ""
-            if (hello.purpose, hello.group) != wanted:
-                why = f"{hello.who} asked for a {hello.purpose} session of another group"
-            elif key in waiting or key == (own.role, own.rank):
-                why = f"{hello.who} is already taken"
-            elif key not in expected:
-                why = f"{hello.who} is not part of the topology {own.who} hosts"
+            why = _claim_problem(own, hello, ("data", group) if group else ("group", ""),
+                                 key in waiting or key == (own.role, own.rank), key in expected)
             if why:
                 gate.note(current.session.peer, why)
                 _refuse([current.session], "mismatch", f"AFD rendezvous at {address} failed: {why}")
@@ -131,6 +130,60 @@ def collect(listener: socket.socket, own: Hello, expected: set[tuple[str, int]],
             except queue.Empty:
                 break
     return waiting
+
+
+def _claim_problem(own: Hello, hello: Hello, wanted: tuple[str, str], taken: bool, known: bool) -> str:
+    """Why ``own`` refuses ``hello``'s claim (``wanted``: the (purpose, group) it admits), or ``""``."""
+    if (hello.purpose, hello.group) != wanted:
+        return f"{hello.who} asked for a {hello.purpose} session of another group"
+    if taken:
+        return f"{hello.who} is already taken"
+    if not known:
+        return f"{hello.who} is not part of the topology {own.who} hosts"
+    return ""
+
+
+class Rejoins:
+    """FFN rank 0 of a live ``tcp`` group under ``batched``: takes back the attention ranks it dropped.
+
+    The rendezvous' listening socket stays open for the group's life behind the same ``Gate`` (admission,
+    proofs). ``take(dropped)`` runs on the serving thread between steps and never blocks: every session that
+    arrived is answered. A ``group`` hello of a rank in ``dropped`` with the same settings gets this group's
+    ``ok`` verdict (its session is its link, as at formation) and is returned; any other is refused as at
+    formation (a rank still served is "already taken", a settings difference is named) and the group goes on.
+    ``known`` are the topology's ranks other than FFN rank 0. ``close()`` stops admitting and closes the socket.
+    """
+
+    def __init__(self, listener: socket.socket, own: Hello, token: bytes | None, address: str, group: str,
+                 known: set[tuple[str, int]]) -> None:
+        self.own, self.address, self.group, self.known = own, address, group, known
+        self._listener = listener
+        self._gate = Gate(listener, own, token, address)
+
+    def take(self, dropped: set[tuple[str, int]]) -> dict[tuple[str, int], Joined]:
+        back: dict[tuple[str, int], Joined] = {}
+        while True:
+            try:
+                joined = self._gate.joined.get_nowait()
+            except queue.Empty:
+                break
+            hello = joined.hello
+            key = (hello.role, hello.rank)
+            diff = differences(self.own, hello)
+            why = f"{self.own.who} and {hello.who} disagree on {diff}" if diff else _claim_problem(
+                self.own, hello, ("group", ""), key not in dropped or key in back, key in self.known)
+            if why:
+                self._gate.note(joined.session.peer, why)
+                _refuse([joined.session], "mismatch", f"AFD rendezvous at {self.address} failed: {why}")
+                continue
+            back[key] = joined
+        accept(back, self.group, lambda hello: "")
+        return back
+
+    def close(self) -> None:
+        self._gate.close()
+        self._listener.close()
+        self.take(set())  # sessions that arrived meanwhile are refused
 
 
 def new_group_id() -> str:

@@ -20,6 +20,10 @@ Stream
     notices a frozen attention rank within ``alive_s``), with ``LinkClosed`` when the peer's socket closed,
     and with ``LinkTimeout`` at the wait's own bound.
 
+Drops (``schedule: batched``)
+    ``drop`` sends a rank that missed a step a ``KIND_DROP`` header and closes its link; ``add`` gives it a
+    new link once it re-joined the live group (``afd_patches.connectors.rendezvous.Rejoins``).
+
 Limits
     Host memory only (the connector moves a CUDA tensor first). Sends are synchronous, bounded by
     ``alive_s`` (a peer that stops reading fails them). The stream after the session is not MAC'd or
@@ -59,18 +63,16 @@ class TcpTransport(Transport):
 
     def __init__(self, socks: dict[int, tuple[socket.socket, bytes]], alive_s: float, ping_s: float) -> None:
         self.alive_s, self.ping_s = alive_s, ping_s
-        self._rx = {peer: s for peer, (s, _) in socks.items()}
-        self._carry = {peer: bytearray(buf) for peer, (_, buf) in socks.items()}
-        self._tx = {peer: s.dup() for peer, s in self._rx.items()}  # own timeout for sends
+        self._rx: dict[int, socket.socket] = {}
+        self._carry: dict[int, bytearray] = {}
+        self._tx: dict[int, socket.socket] = {}  # a dup of the link: its own timeout for sends
         self._locks = {peer: threading.Lock() for peer in socks}
-        now = time.monotonic()
-        self._heard = dict.fromkeys(socks, now)
-        self._sent = dict.fromkeys(socks, now)
+        self._heard: dict[int, float] = {}
+        self._sent: dict[int, float] = {}
         self._ready: dict[int, wire.Header] = {}
         self._interrupted: set[int] = set()
-        for s in [*self._rx.values(), *self._tx.values()]:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.settimeout(alive_s)
+        for peer, (sock, buf) in socks.items():
+            self._attach(peer, sock, buf)
         self._stop = threading.Event()
         self._pinger = threading.Thread(target=self._ping_loop, name="afd-tcp-ping", daemon=True)
         self._pinger.start()
@@ -216,6 +218,38 @@ class TcpTransport(Transport):
             self._rx[peer].shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # already shut down
+
+    def drop(self, peer: int, words: list[int]) -> None:
+        """Send ``peer`` the ``KIND_DROP`` header ``words`` (at most ``ping_s``; best effort), then close its link:
+        it reads the header, then the end of the stream. Waits on ``peer`` end with ``LinkInterrupted``."""
+        try:
+            self._write(peer, [memoryview(wire.HEADER.pack(*words))], self.ping_s, blocking=True)
+        except (LinkTimeout, LinkClosed, LinkInterrupted):
+            pass  # it finds the link closed instead
+        with self._locks[peer]:  # not inside a keep-alive's write
+            self._interrupted.add(peer)
+            self._ready.pop(peer, None)
+            try:
+                self._rx[peer].shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # its end already closed
+            self._rx[peer].close()
+            self._tx[peer].close()
+
+    def add(self, peer: int, sock: socket.socket, buf: bytes) -> None:
+        """Give ``peer`` (dropped before, ``drop``) a new link: an authenticated session's socket and the bytes
+        read past its last message (a rank that re-joined the group, ``rendezvous.Rejoins``)."""
+        with self._locks[peer]:
+            self._attach(peer, sock, buf)
+            self._ready.pop(peer, None)
+            self._interrupted.discard(peer)
+
+    def _attach(self, peer: int, sock: socket.socket, buf: bytes) -> None:
+        self._rx[peer], self._carry[peer], self._tx[peer] = sock, bytearray(buf), sock.dup()
+        for s in (sock, self._tx[peer]):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(self.alive_s)
+        self._heard[peer] = self._sent[peer] = time.monotonic()
 
     def close(self, clean: bool) -> None:
         self._stop.set()

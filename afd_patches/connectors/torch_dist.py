@@ -25,12 +25,25 @@ Messages
     of payload is allocated; a violation raises ``wire.BadMessage`` and breaks this group only.
 
 Failures
-    Every wait inside a step is bounded by ``timeout_s``; the FFN side's wait for the next step of an idle
-    group by ``idle_timeout_s``. A peer whose process ended is noticed at once (its connection closes); a
+    Every wait inside a step is bounded by ``timeout_s`` (an attention rank's wait for its answer under
+    batched by ``answer_s``, see "Progress"); the FFN side's wait for the next step of an idle group by
+    ``idle_timeout_s``. A peer whose process ended is noticed at once (its connection closes); a
     frozen one within about ``timeout_s`` (keep-alives on tcp, store heartbeats on gloo/NCCL). Transport
     errors are typed (``afd_patches.connectors.transport``) and re-raised with this rank, the peer and what
     was awaited in the message; after any failure the connector is broken: later calls raise
     ``ConnectorError`` and only ``close()`` is useful.
+
+Progress (``schedule: batched``, several attention ranks per FFN rank)
+    Liveness is progress, not keep-alives (a rank whose worker hangs still pings from its own thread): the
+    first header of any member starts the clock and a member that has not sent its own within ``timeout_s``
+    is dropped from the group's steps (``schedule``): logged once, sent a ``KIND_DROP`` header (its next
+    call raises ``ConnectorDropped`` naming the step it missed), not waited for again; the others are served
+    at once. An attention rank therefore waits up to ``2 * timeout_s`` for its answer (``answer_s``). On tcp
+    FFN rank 0 takes its dropped ranks back into the live group (``rendezvous.Rejoins``, checked between
+    steps, every ``REJOIN_POLL_S`` while idle): the re-joined rank gets a new link and is merged at a step
+    boundary, its steps offset by a constant fixed at its first header (answers carry its own numbering).
+    Limits: gloo and NCCL groups, and tcp ranks served by another FFN rank, take no member back: the dropped
+    rank's re-formation succeeds with the next group, once the group's other ranks closed.
 
 Threads
     One thread drives the exchange. ``close()`` may come from any thread, also during a wait: it offers
@@ -56,7 +69,14 @@ import torch
 
 from afd_patches import topology
 from afd_patches.connectors import auth, liveness, rendezvous, schedule, wire
-from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout, Meta
+from afd_patches.connectors.base import (
+    Connector,
+    ConnectorClosed,
+    ConnectorDropped,
+    ConnectorError,
+    ConnectorTimeout,
+    Meta,
+)
 from afd_patches.connectors.options import DEFAULT_INLINE_BYTES, HOST_BACKENDS, OptionError, Options
 from afd_patches.connectors.session import Hello
 from afd_patches.connectors.transport import (
@@ -77,6 +97,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("afd")
 
+_TOKENLESS_WARNED: set[str] = set()  # group addresses this process warned about (once each)
 CLOSE_WAIT_S = 2.0  # how long close() waits for each peer to take its CLOSE header
 
 
@@ -106,6 +127,9 @@ class TorchDistConnector(Connector):
             self.device = torch.device("cpu") if self.backend in HOST_BACKENDS else torch.device(
                 "cuda", torch.cuda.current_device())
         self.timeout_s, self.idle_timeout_s = float(config.timeout_s), opts.idle_timeout_s
+        # an attention rank's wait for its answer: under batched with several ranks per FFN rank the FFN may
+        # first wait timeout_s for the others ("Progress")
+        self.answer_s = self.timeout_s * (2 if opts.schedule == "batched" and a > f else 1)
         self.inline_bytes = opts.inline_bytes if opts.inline_bytes is not None else (
             DEFAULT_INLINE_BYTES if self.backend == "gloo" else 0)
         self.schedule = opts.schedule
@@ -119,6 +143,11 @@ class TorchDistConnector(Connector):
             auth.check_policy(self.host, self.token, config.allow_unauthenticated)
         except (auth.TokenError, OSError) as e:
             raise ConnectorError(f"AFD rendezvous at {config.host}:{config.port}: {e}") from None
+        if self.token is None and self.address not in _TOKENLESS_WARNED:
+            _TOKENLESS_WARNED.add(self.address)
+            logger.warning("AFD group at %s has no token: any local user (or anyone who reaches the port) can join "
+                           "it, or take the port while the FFN is down and answer as an FFN; %s; %s", self.address,
+                           auth.HOW_TO_SET, auth.HOW_TO_MAKE)
         self.group = ""  # the id of the group formed last (``rendezvous``), for logs and tests
         self._transport: Transport | None = None
         self._heartbeat: liveness.Heartbeat | None = None
@@ -133,6 +162,12 @@ class TorchDistConnector(Connector):
         self._sent_at: dict[int, float] = {}  # micro-batch -> when its hidden states were sent
         self._received_at = 0.0
         self._out_device = self.device
+        # FFN side, schedule batched (see "Progress"): dropped peers (why), their re-joining, step alignment
+        self._dropped: dict[int, str] = {}
+        self._rejoins: rendezvous.Rejoins | None = None
+        self._offset: dict[int, int | None] = {}  # peer -> its step minus the group's (None: not aligned yet)
+        self._held: dict[int, wire.Header] = {}  # re-joined peers' headers waiting for a step boundary
+        self._next_step = 0  # the group's step after the last one served
 
     # ---------------------------------------------------------------- naming
     @property
@@ -168,12 +203,14 @@ class TorchDistConnector(Connector):
         from afd_patches.connectors import formation
 
         wait_s = self.timeout_s if wait_s is None else wait_s
-        transport, store = formation.form(self, time.monotonic() + wait_s, wait_s)
+        transport, store, rejoins = formation.form(self, time.monotonic() + wait_s, wait_s)
         with self._lock:
             if self._cancel.is_set():
                 transport.close(clean=False)
+                if rejoins is not None:
+                    rejoins.close()
                 raise ConnectorError(f"AFD connector init of {self.me()} was cancelled by close()")
-            self._transport = transport
+            self._transport, self._rejoins = transport, rejoins
         if store is not None:
             beat = liveness.Heartbeat(store, self.global_rank, list(self.peers), self.timeout_s, self._on_lost,
                                       f"{self.address} (hosted by ffn rank 0)", store_rank=0)
@@ -185,7 +222,9 @@ class TorchDistConnector(Connector):
         return self._cancel.is_set
 
     def _on_lost(self, peer: int, why: str) -> None:
-        """Heartbeat thread: ``peer`` is gone; interrupt a wait on it."""
+        """Heartbeat thread: ``peer`` is gone; interrupt a wait on it (unless it was dropped: nothing waits)."""
+        if peer in self._dropped:
+            return
         self._lost[peer] = why
         logger.warning("AFD %s: lost %s: %s", self.me(), self.describe(peer), why)
         if self._transport is not None:
@@ -211,13 +250,15 @@ class TorchDistConnector(Connector):
         if self._heartbeat is not None:
             self._heartbeat.stop(clean=clean)
             self._heartbeat = None
+        if self._rejoins is not None:
+            self._rejoins.close()
         self._broken = self._broken or "closed"
         transport.close(clean and not interrupted)
 
     def _offer_close(self, transport: Transport) -> bool:
         try:
             handles = [transport.send(p, wire.words(wire.KIND_CLOSE), None) for p in self.peers
-                       if p not in self._closed_peers]
+                       if p not in self._closed_peers and p not in self._dropped]
             for handle in [*self._pending, *handles]:
                 handle.wait(min(self.timeout_s, CLOSE_WAIT_S))
         except ConnectorError:
@@ -264,6 +305,10 @@ class TorchDistConnector(Connector):
             return ConnectorClosed(f"AFD {me}: closed by this side while waiting for {what}")
         if isinstance(err, LinkInterrupted) and peer in self._lost:
             return PeerSilent(peer, f"AFD {me}: lost {who} during {what}: {self._lost[peer]}")
+        if isinstance(err, LinkClosed) and self.role == topology.ATTENTION:
+            farewell = self._farewell(peer)
+            if farewell is not None:
+                return self._dropped_error(peer, farewell)
         if isinstance(err, LinkClosed):
             text = f"lost {who} during {what}: its connection closed, so the process crashed or exited ({err})"
         elif isinstance(err, PeerSilent):
@@ -315,11 +360,13 @@ class TorchDistConnector(Connector):
         from. Answers come in the order the messages were sent (the FFN serves them in arrival order)."""
         transport = self._check(topology.ATTENTION)
         peer, what = self.peers[0], f"the FFN output of layer {layer} step {step} micro-batch {microbatch}"
-        header = self._io(what, peer, lambda: transport.next_header(peer, self.timeout_s))
+        header = self._io(what, peer, lambda: transport.next_header(peer, self.answer_s))
         if header.kind == wire.KIND_CLOSE:
             self._closed_peers.add(peer)
             self._broken = f"{self.describe(peer)} closed"
             raise ConnectorClosed(f"AFD {self.me()}: {self.describe(peer)} closed while {what} was awaited")
+        if header.kind == wire.KIND_DROP:
+            raise self._dropped_error(peer, header)
         self._drain()
         if (header.layer, header.step, header.microbatch) != (layer, step, microbatch):
             self._broken = "layer/step/micro-batch mismatch"
@@ -331,6 +378,24 @@ class TorchDistConnector(Connector):
         METRICS.add("bytes_received", out.numel() * out.element_size())
         METRICS.observe(time.perf_counter() - self._sent_at.get(microbatch, 0.0))
         return out.to(self._out_device)
+
+    def _farewell(self, peer: int) -> wire.Header | None:
+        """After the link to ``peer`` closed: its ``KIND_DROP`` header, if that already arrived (read without
+        waiting), else ``None``."""
+        assert self._transport is not None
+        try:
+            header = self._transport.next_header(peer, 0.0)
+        except (LinkError, wire.BadMessage):
+            return None
+        return header if header.kind == wire.KIND_DROP else None
+
+    def _dropped_error(self, peer: int, header: wire.Header) -> ConnectorDropped:
+        self._broken = f"dropped by {self.describe(peer)}"
+        return ConnectorDropped(
+            f"AFD {self.me()}: {self.describe(peer)} dropped this rank from the group's steps: it sent nothing for "
+            f"layer {header.layer} step {header.step} micro-batch {header.microbatch} within the FFN's timeout_s of "
+            "the other attention ranks (this worker stalled); the others were served on, and a new connector "
+            "re-joins the group")
 
     # ------------------------------------------------------------ FFN side
     def recv_attn_output(self) -> tuple[Meta, list[torch.Tensor]]:
@@ -359,6 +424,7 @@ class TorchDistConnector(Connector):
         METRICS.add("bytes_received", sum(t.numel() * t.element_size() for t in received.values()))
         self._received_at = time.perf_counter()
         self._answer = list(received)
+        self._next_step = max(self._next_step, first.step + 1)
         template = next(iter(received.values()))
         tensors = [received.get(p, template.new_empty((0, *template.shape[1:]))) for p in self.peers]
         rows = sum(t.shape[0] for t in tensors)
@@ -375,9 +441,53 @@ class TorchDistConnector(Connector):
         self._drain()
         for tensor, peer in zip(outputs, self.peers, strict=True):
             if peer in self._answer:
-                self._send(transport, peer, self._wire(tensor), meta.layer, meta.step, meta.microbatch)
+                step = meta.step + (self._offset.get(peer) or 0)  # in the peer's own numbering
+                self._send(transport, peer, self._wire(tensor), meta.layer, step, meta.microbatch)
         METRICS.add("exchanges")
         METRICS.observe(elapsed)
+
+
+    def _drop(self, peer: int, at: wire.Header, why: str) -> None:
+        """Drop ``peer`` from the group's steps (``schedule.batched``); ``at``: the step it missed, in the group's
+        numbering once it is aligned. Logged once; the peer is sent ``KIND_DROP`` naming that step in its own."""
+        assert self._transport is not None
+        back = ("once it re-joins (FFN rank 0 takes it back at a step boundary)" if self._rejoins is not None else
+                f"with the next group (a {self.backend} group, or one hosted by another FFN rank, takes no member "
+                "back; the next forms once the other ranks closed)")
+        logger.warning("AFD %s: dropped %s from the group's steps: %s; the other ranks are served on, it is served "
+                       "again %s", self.me(), self.describe(peer), why, back)
+        self._dropped[peer] = why
+        self._held.pop(peer, None)
+        step = at.step + (self._offset.pop(peer, 0) or 0)  # not aligned yet: ``at`` is its own header
+        if self._heartbeat is not None:
+            self._heartbeat.forget(peer)
+        self._transport.drop(peer, wire.words(wire.KIND_DROP, at.layer, step, microbatch=at.microbatch))
+
+    def aligned(self, peer: int) -> bool:
+        return peer not in self._offset or self._offset[peer] is not None
+
+    def _readmit(self) -> bool:
+        """FFN rank 0 on tcp: answer re-join sessions (``rendezvous.Rejoins``); give each dropped rank that
+        re-joined its new link, not aligned yet (``schedule``). True if one came back."""
+        if self._rejoins is None:
+            return False
+        from afd_patches.connectors.tcp import TcpTransport
+
+        a, f = self.config.num_attention_ranks, self.config.num_ffn_ranks
+        dropped = {topology.role_of_global(p, a, f): p for p in self._dropped}
+        back = self._rejoins.take(set(dropped))
+        for key, joined in back.items():
+            peer = dropped[key]
+            assert isinstance(self._transport, TcpTransport)
+            self._transport.add(peer, *joined.session.detach())
+            del self._dropped[peer]
+            self._offset[peer] = None
+            logger.warning("AFD %s: %s re-joined the group; it is served again from its next step boundary",
+                           self.me(), self.describe(peer))
+        return bool(back)
+
+
+REJOIN_POLL_S = 0.1  # while a rank is dropped, an idle FFN rank 0 looks for its re-join this often
 
 
 class _Inbox:
@@ -385,26 +495,65 @@ class _Inbox:
 
     def __init__(self, conn: TorchDistConnector, transport: Transport) -> None:
         self.conn, self.transport = conn, transport
+        self.timeout_s = conn.timeout_s
 
     def open_peers(self) -> list[int]:
-        return [p for p in self.conn.peers if p not in self.conn._closed_peers]
+        return [p for p in self.conn.peers if p not in self.conn._closed_peers and p not in self.conn._dropped]
 
     def header(self, peer: int, idle: bool) -> wire.Header | None:
-        bound = self.conn.idle_timeout_s if idle else self.conn.timeout_s
-        header = self.conn._io("the next attention output", peer, lambda: self.transport.next_header(peer, bound))
+        conn = self.conn
+        held = conn._held.pop(peer, None)
+        if held is not None:
+            return held  # held before alignment: its step is the rank's own
+        bound = conn.idle_timeout_s if idle else conn.timeout_s
+        header = conn._io("the next attention output", peer, lambda: self.transport.next_header(peer, bound))
         if header.kind == wire.KIND_CLOSE:
-            self.conn._closed_peers.add(peer)
-            if self.conn._heartbeat is not None:
-                self.conn._heartbeat.forget(peer)
+            conn._closed_peers.add(peer)
+            if conn._heartbeat is not None:
+                conn._heartbeat.forget(peer)
             return None
-        return header  # type: ignore[no-any-return]
+        offset = conn._offset.get(peer)
+        return header._replace(step=header.step - offset) if offset else header  # type: ignore[no-any-return]
 
-    def first(self, peers: list[int]) -> int:
-        peer = self.conn._io("the next attention output", peers[0],
-                             lambda: self.transport.first(peers, self.conn.idle_timeout_s))
-        if peer is None:
-            raise ConnectorTimeout(f"no attention rank sent anything within {self.conn.idle_timeout_s:g}s")
-        return peer  # type: ignore[no-any-return]
+    def first(self, peers: list[int], timeout_s: float | None = None, lone: bool = False) -> int | None:
+        conn = self.conn
+        held = next((p for p in peers if p in conn._held), None)
+        if held is not None:
+            return held
+        if timeout_s is not None:
+            return self._first(peers, timeout_s)
+        end = time.monotonic() + conn.idle_timeout_s
+        while not conn._readmit():
+            rejoining = conn._rejoins is not None and bool(conn._dropped)
+            if lone and len(peers) == 1 and not rejoining:
+                return peers[0]  # header(idle=True) waits for it: one wait instead of two
+            left = end - time.monotonic()
+            if left <= 0:
+                raise ConnectorTimeout(f"no attention rank sent anything within {conn.idle_timeout_s:g}s")
+            peer = self._first(peers, min(left, REJOIN_POLL_S) if rejoining else left)
+            if peer is not None:
+                return peer
+        return None
+
+    def _first(self, peers: list[int], timeout_s: float) -> int | None:
+        return self.conn._io(  # type: ignore[no-any-return]
+            "the next attention output", peers[0], lambda: self.transport.first(peers, timeout_s))
+
+    def drop(self, peer: int, at: wire.Header, why: str) -> None:
+        self.conn._drop(peer, at, why)
+
+    def aligned(self, peer: int) -> bool:
+        return self.conn.aligned(peer)
+
+    def align(self, peer: int, header: wire.Header, step: int) -> wire.Header:
+        self.conn._offset[peer] = header.step - step
+        return header._replace(step=step)
+
+    def hold(self, peer: int, header: wire.Header) -> None:
+        self.conn._held[peer] = header
+
+    def next_step(self) -> int:
+        return self.conn._next_step
 
     def describe(self, peer: int) -> str:
         return self.conn.describe(peer)

@@ -25,7 +25,13 @@ Waits
     peer (``_break_pair``: a 1 ms receive on ``TAG_BREAK``, which is never sent, times out and closes the
     pair). NCCL waits poll ``is_completed()`` with a backoff and check the deadline and interrupts between
     polls. A failed gloo wait that came before its bound, without an interrupt, is ``LinkClosed``; one at
-    its bound is ``LinkTimeout``; on NCCL an exception of the operation is ``BackendError``.
+    its bound is ``LinkTimeout``; on NCCL an exception of the operation is ``BackendError``. ``first`` (the
+    first of several peers' headers, for both schedules) hands each posted receive to an ``Arrivals`` thread
+    on gloo and polls them all on NCCL.
+
+Drops
+    A rank dropped from a batched step (``drop``) is posted a ``KIND_DROP`` header and ignored from then on;
+    its pair stays, since a torch process group takes no new member: the rank re-joins with the next group.
 
 Limits
     The tensor traffic itself is not authenticated or encrypted (gloo and NCCL have no such option); NCCL's
@@ -52,6 +58,7 @@ from afd_patches.connectors.transport import (
     BackendError,
     Handle,
     LinkClosed,
+    LinkError,
     LinkInterrupted,
     LinkTimeout,
     Transport,
@@ -176,6 +183,8 @@ class TorchGroupTransport(Transport):
         self._arrived: set[int] = set()  # peers whose posted header receive completed in first()
         self._message: dict[int, torch.Tensor] = {}  # peer -> the last header message (inline payload)
         self._interrupted: set[int] = set()
+        self._dropped: set[int] = set()  # peers dropped from the group's steps (``drop``)
+        self._farewells: list[Handle] = []  # their DROP headers' sends, kept alive until the group ends
         self._stop = threading.Event()
         self._arrivals = Arrivals("afd-arrivals")
 
@@ -235,22 +244,45 @@ class TorchGroupTransport(Transport):
         return out
 
     def first(self, peers: list[int], timeout_s: float) -> int | None:
-        """gloo only (pingpong): one waiter thread per peer reports completions in order (``Arrivals``)."""
+        """gloo: one waiter thread per peer reports completions in order (``Arrivals``); a dropped peer's
+        completion is ignored. NCCL: the posted receives are polled (``poll`` over ``_AnyOf``)."""
         for peer in peers:
             if peer in self._arrived:
                 return peer
+        if self.backend == "nccl":
+            return self._first_polled(peers, timeout_s)
+        for peer in peers:
             if peer not in self._posted:
                 _, work = self._post_header(peer)
                 self._arrivals.watch(peer, work, timeout_s)
-        got = self._arrivals.next(timeout_s)
-        if got is None:
-            return None
-        peer, err = got
-        if err is not None:
-            self._posted.pop(peer, None)
-            raise self._error(err, peer, 0.0, timeout_s)
-        self._arrived.add(peer)
-        return peer
+        deadline = time.monotonic() + timeout_s
+        while (got := self._arrivals.next(max(deadline - time.monotonic(), 0.0))) is not None:
+            peer, err = got
+            if peer in self._dropped:
+                continue  # a rank dropped from the group woke up: nothing of it is taken any more
+            if err is not None:
+                self._posted.pop(peer, None)
+                raise self._error(err, peer, 0.0, timeout_s)
+            self._arrived.add(peer)
+            return peer
+        return None
+
+    def _first_polled(self, peers: list[int], timeout_s: float) -> int | None:
+        start = time.monotonic()
+        any_of = _AnyOf({peer: self._post_header(peer)[1] for peer in peers})
+        stopped = lambda: self._stop.is_set() or any(p in self._interrupted for p in peers)  # noqa: E731
+        try:
+            if not poll(any_of, start + timeout_s, stopped):
+                if stopped():
+                    peer = next((p for p in peers if p in self._interrupted), peers[0])
+                    raise LinkInterrupted(peer, f"the wait on global rank {peer} was interrupted by this side")
+                return None
+        except RuntimeError as e:
+            peer = any_of.done if any_of.done is not None else peers[0]
+            raise self._error(e, peer, time.monotonic() - start, timeout_s) from e
+        assert any_of.done is not None
+        self._arrived.add(any_of.done)
+        return any_of.done
 
     def wait(self, work: Any, peer: int, timeout_s: float) -> None:
         """Wait for ``work`` at most ``timeout_s``: blocking on gloo, polling on NCCL (see "Waits")."""
@@ -283,6 +315,17 @@ class TorchGroupTransport(Transport):
         if self.backend == "gloo":
             _break_pair(self.pg, peer)
 
+    def drop(self, peer: int, words: list[int]) -> None:
+        """Post the ``KIND_DROP`` header ``words`` to ``peer`` (never waited for: the rank takes it when it wakes)
+        and ignore its arrivals from now on. The pair stays: a torch group takes no new member, so the rank
+        re-joins with the next group (see ``afd_patches.connectors.torch_dist``)."""
+        self._dropped.add(peer)
+        self._arrived.discard(peer)
+        try:
+            self._farewells.append(self.send(peer, words, None))
+        except LinkError:
+            pass  # its pair is gone: it finds that instead
+
     def close(self, clean: bool) -> None:
         self._stop.set()
         self._arrivals.stop()
@@ -296,6 +339,22 @@ class TorchGroupTransport(Transport):
                 self.pg.shutdown()
         except RuntimeError:
             pass
+
+
+class _AnyOf:
+    """Several NCCL works as one for ``poll``: completed once any is (``done``: its peer, the first in order)."""
+
+    def __init__(self, works: dict[int, Any]) -> None:
+        self.works = works
+        self.done: int | None = None
+
+    def is_completed(self) -> bool:
+        self.done = next((peer for peer, work in self.works.items() if work.is_completed()), None)
+        return self.done is not None
+
+    def wait(self) -> None:
+        assert self.done is not None
+        self.works[self.done].wait()
 
 
 def poll(work: Any, deadline: float, stop: Any) -> bool:

@@ -15,7 +15,10 @@ Contract
     ``payload(peer, header, nbytes, timeout_s)`` the tensor that header announced (``wire.Limits`` checked it
     first). ``first(peers, timeout_s)`` returns the first of ``peers`` whose next header arrived (then
     ``next_header`` returns it at once), or ``None``. ``interrupt(peer)`` makes a wait on ``peer`` return with
-    ``LinkInterrupted`` (from any thread); ``close(clean)`` ends the transport.
+    ``LinkInterrupted`` (from any thread); ``drop(peer, words)`` (FFN side, ``schedule: batched``) hands
+    ``peer`` the ``KIND_DROP`` header ``words`` without waiting on it and stops taking anything from it: tcp
+    closes that link (``TcpTransport.add`` gives a re-joined rank a new one), gloo/NCCL ignore its arrivals
+    from then on. ``close(clean)`` ends the transport.
 
 Errors (no caller ever reads an error's text to tell them apart)
     ``LinkClosed``: the peer closed its end or its process died. ``LinkTimeout``: nothing arrived in time.
@@ -94,6 +97,9 @@ class Transport(ABC):
 
     @abstractmethod
     def interrupt(self, peer: int) -> None: ...
+
+    @abstractmethod
+    def drop(self, peer: int, words: list[int]) -> None: ...
 
     @abstractmethod
     def close(self, clean: bool) -> None: ...

@@ -4,7 +4,9 @@ Every message between the roles starts with ``HEADER_LEN`` signed 64-bit words i
 (both roles run the same build on the same kind of host): ``MAGIC``, ``kind``, ``layer``, ``step``,
 ``microbatch``, dtype code, ``ndim``, inline flag, then ``MAX_NDIM`` shape words. ``kind`` is
 ``KIND_DATA`` (a tensor follows, unless it has no elements), ``KIND_CLOSE`` (the sender leaves the group
-on purpose) or ``KIND_PING`` (the sender is alive; ``tcp`` only, see ``afd_patches.connectors.tcp``).
+on purpose), ``KIND_PING`` (the sender is alive; ``tcp`` only, see ``afd_patches.connectors.tcp``) or
+``KIND_DROP`` (FFN to attention: this rank was dropped from the batched step it missed; ``layer``, ``step``
+and ``microbatch`` name that step in the rank's own numbering; see ``afd_patches.connectors.schedule``).
 
 ``Limits.check`` is the one place a received header is judged: every field is checked against what this
 side knows (layer count, micro-batch count, hidden size, dtype, token bound, byte bound) before a byte of
@@ -27,7 +29,7 @@ MAX_NDIM = 8
 HEADER_LEN = 8 + MAX_NDIM
 HEADER_BYTES = HEADER_LEN * 8
 HEADER = struct.Struct(f"={HEADER_LEN}q")
-KIND_DATA, KIND_CLOSE, KIND_PING = 1, 2, 3
+KIND_DATA, KIND_CLOSE, KIND_PING, KIND_DROP = 1, 2, 3, 4
 MAX_MESSAGE_BYTES = 1 << 30  # bound on one tensor when the model's identity gives no tighter one
 
 # Stable wire codes; a dtype missing from this torch build is simply not offered.
@@ -60,7 +62,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def words(kind: int, layer: int = -1, step: int = -1, tensor: torch.Tensor | None = None, inline: bool = False,
           microbatch: int = 0) -> list[int]:
-    """The ``HEADER_LEN`` words describing ``tensor`` (or a bare ``CLOSE``/``PING`` header)."""
+    """The ``HEADER_LEN`` words describing ``tensor`` (or a bare ``CLOSE``/``PING``/``DROP`` header)."""
     out = [MAGIC, kind, layer, step, microbatch, 0, 0, int(inline)] + [0] * MAX_NDIM
     if tensor is not None:
         name = dtype_name(tensor.dtype)
@@ -92,7 +94,7 @@ def decode(message: torch.Tensor | bytes | bytearray | memoryview) -> Header:
         w = message.tolist()
     else:
         w = list(HEADER.unpack_from(message))
-    if len(w) != HEADER_LEN or w[0] != MAGIC or w[1] not in (KIND_DATA, KIND_CLOSE, KIND_PING):
+    if len(w) != HEADER_LEN or w[0] != MAGIC or w[1] not in (KIND_DATA, KIND_CLOSE, KIND_PING, KIND_DROP):
         raise BadMessage(f"malformed AFD header {w[:8]}… (the peer speaks another protocol or version)")
     kind, layer, step, microbatch, code, ndim, inline = w[1:8]
     if kind != KIND_DATA:

@@ -53,7 +53,9 @@ serves each rank's layer as it arrives, nor in a vLLM data-parallel engine that 
 steps with its peers by dummy batches, ``afd_patches.compat.data_parallel``): after
 ``IDLE_TICK_S`` without a step it runs a zero-token step (every layer, empty
 tensors) through the connector. Busy ranks then wait at most about ``IDLE_TICK_S``
-per step for idle ones. Idle ranks' step ids differ from busy ranks'; the FFN
+per step for idle ones; a rank that stalls (no step within ``timeout_s`` of the
+others) is dropped by the FFN rank and re-joins through its ``GroupKeeper``
+(``afd_patches.connectors.schedule``). Idle ranks' step ids differ from busy ranks'; the FFN
 side must pair messages by arrival and layer, not by step.
 
 Devices: the serve thread first makes the worker's device current there
