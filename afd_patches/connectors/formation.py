@@ -137,8 +137,10 @@ def _tcp(conn: Member, sessions: dict[int, Session]) -> Transport:
 
 def _tcp_ffn(conn: Member, deadline: float, wait_s: float) -> Transport:
     """An FFN rank other than 0 on tcp: listen for data sessions, join FFN rank 0, admit the served ranks."""
+    from afd_patches.connectors.torch_group import local_address
+
     cfg, opts = conn.config, conn.options
-    bind = conn.host if conn.host in WILDCARDS else _local_address(conn.host)
+    bind = conn.host if conn.host in WILDCARDS else local_address(conn.host)
     listener = listen(bind, opts.data_port, "data sessions")
     try:
         host, port = opts.advertise or (
@@ -159,18 +161,10 @@ def _tcp_ffn(conn: Member, deadline: float, wait_s: float) -> Transport:
     return _tcp(conn, {topology.global_rank(role, rank, a, f): j.session for (role, rank), j in joined.items()})
 
 
-def _local_address(host: str) -> str:
-    """The local IP this machine uses to reach ``host`` (no packet is sent)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return str(probe.getsockname()[0])
-
-
 def _torch_group(conn: Member, group: str, deadline: float, listener: socket.socket | None,
                  joined: dict[Any, Any], ffn_of: Any) -> tuple[Transport, Any]:
     """gloo/NCCL: the group's store (FFN rank 0 serves it on ``listener``), the MAC'd group over it, warm-up."""
-    from afd_patches.connectors.torch_group import TorchGroupTransport, build_group, group_store
+    from afd_patches.connectors.torch_group import TorchGroupTransport, build_group, group_store, seal_store
 
     cfg = conn.config
     remaining = max(deadline - time.monotonic(), 1.0)
@@ -195,6 +189,8 @@ def _torch_group(conn: Member, group: str, deadline: float, listener: socket.soc
             f"{conn.world_size} ranks at {conn.address}: {why}") from e
     transport = TorchGroupTransport(pg, conn.backend, conn.device, conn.timeout_s, conn.inline_bytes, raw)
     try:
+        if listener is not None:  # FFN rank 0: the store takes nothing more from strangers
+            seal_store(store, cfg.port, conn.world_size, max(deadline - time.monotonic(), 1.0), conn.address)
         transport.warm_up(conn.peers, conn.role == topology.FFN, max(deadline - time.monotonic(), 1.0))
     except BaseException:
         transport.close(clean=False)

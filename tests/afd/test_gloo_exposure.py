@@ -1,0 +1,159 @@
+"""What a gloo AFD group exposes on the host it was configured for, and no further (issue 37, item 6).
+
+A real FFN rank and attention rank (processes of ``test_connector``'s forkserver) form a gloo group on
+127.0.0.2 with a token, stay in it until the test releases them, then run one exact exchange and close.
+The test process reads their sockets from ``/proc`` (``torch_group.tcp_sockets``) and plays the stranger:
+a plain ``TCPStore`` client and plain sockets, on loopback only. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from afd_patches.config import AfdConfig
+from afd_patches.connectors import auth, torch_group
+from afd_patches.connectors.base import ConnectorError
+from afd_patches.connectors.torch_dist import TorchDistConnector
+from afd_patches.connectors.torch_group import TCP_LISTEN, tcp_sockets
+from harness.env import free_port
+from tests.afd.test_connector import _CTX, _join_all, attn_input, collect, ffn, start
+from tests.afd.test_rendezvous import FFN_HOST, TOKEN, _Records, host_config
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads sockets from Linux /proc")
+
+HOLD_S = 60.0  # the longest a rank waits in its group for the test's release
+SLOW_S = 2.0  # how long the slow attention rank waits between its verdict and the group's store
+MIB = 1 << 20
+
+
+def holding_rank(cfg: AfdConfig, queue: Any, release: Any, slow_s: float = 0.0) -> None:
+    """Form the group and report (pid, the ``afd`` log); after ``release`` run one exchange and close.
+
+    ``slow_s``: wait that long between the verdict and opening the store (reported as ``<name>-verdict``),
+    as a rank on a loaded machine may: the store is up and the group not yet formed."""
+    torch.set_num_threads(1)
+    os.environ[auth.TOKEN_ENV] = TOKEN
+    records = _Records()
+    logging.getLogger("afd").addHandler(records)
+    name = f"{cfg.role}{cfg.rank}"
+    if slow_s:
+        opened = torch_group.group_store
+
+        def slow_group_store(*args: Any) -> Any:
+            queue.put((f"{name}-verdict", {}))
+            time.sleep(slow_s)
+            return opened(*args)
+
+        torch_group.group_store = slow_group_store
+    conn = TorchDistConnector(cfg)
+    try:
+        conn.init()
+    except ConnectorError as e:
+        queue.put((name, {"error": str(e), "log": records.lines}))
+        return
+    queue.put((name, {"error": None, "pid": os.getpid(), "log": list(records.lines)}))
+    exact = False
+    if release.wait(HOLD_S):
+        try:
+            if cfg.role == "attention":
+                x = attn_input(cfg.rank, 0, 0, 3)
+                conn.send_attn_output(x, 0, 0)
+                exact = torch.equal(conn.recv_ffn_output(0, 0), ffn(x))
+            else:
+                meta, xs = conn.recv_attn_output()
+                conn.send_ffn_output([ffn(x) for x in xs], meta)
+                exact = True
+        except ConnectorError as e:
+            queue.put((f"{name}-done", {"exact": False, "error": str(e)}))
+            conn.close()
+            return
+    conn.close()
+    queue.put((f"{name}-done", {"exact": exact, "error": None}))
+
+
+def _form(port: int, queue: Any, release: Any, slow_s: float = 0.0) -> list[Any]:
+    return [start(holding_rank, host_config("ffn", port, backend="gloo"), queue, release),
+            start(holding_rank, host_config("attention", port, backend="gloo"), queue, release, slow_s)]
+
+
+def _finish(procs: list[Any], queue: Any, release: Any) -> None:
+    """Release the ranks; both must then exchange exactly and exit."""
+    release.set()
+    done = collect(queue, {"ffn0-done", "attention0-done"}, 30)
+    _join_all(procs, 15)
+    assert done["attention0-done"] == {"exact": True, "error": None}, done
+    assert done["ffn0-done"] == {"exact": True, "error": None}, done
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+# --------------------------------------------------------------------------- tests
+def test_every_listening_socket_of_a_gloo_group_is_on_the_configured_host() -> None:
+    """gloo's pair listeners bind ``host`` as the store does (before: what the machine's name resolved to,
+    127.0.0.1 here, where any local program could reach them); nothing answers on 127.0.0.1 at their ports."""
+    port, queue, release = free_port(), _CTX.Queue(), _CTX.Event()
+    procs = _form(port, queue, release)
+    try:
+        got = collect(queue, {"ffn0", "attention0"}, 60)
+        assert got["ffn0"]["error"] is None and got["attention0"]["error"] is None, got
+        listening = {name: [s.local for s in tcp_sockets(r["pid"]) if s.state == TCP_LISTEN]
+                     for name, r in got.items()}
+        pair_ports = [p for name, addresses in listening.items() for _, p in addresses if p != port]
+        for p in pair_ports:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", p), timeout=2)
+    finally:
+        release.set()
+    _finish(procs, queue, release)
+    assert (FFN_HOST, port) in listening["ffn0"], listening  # the store
+    assert len(listening["ffn0"]) >= 2 and len(listening["attention0"]) >= 1, listening  # and gloo's, per rank
+    assert {ip for addresses in listening.values() for ip, _ in addresses} == {FFN_HOST}, listening
+
+
+def test_the_store_takes_nothing_from_a_stranger_once_the_group_formed() -> None:
+    """A stranger who reached the store while the group was forming (its one window: documented) is cut when
+    the group has formed: its next writes fail and FFN rank 0 does not grow by them; a new connection gets no
+    answer; the group itself works on (before: the store kept every 8 MiB value for the group's life)."""
+    from torch.distributed import TCPStore
+
+    port, queue, release = free_port(), _CTX.Queue(), _CTX.Event()
+    procs = _form(port, queue, release, slow_s=SLOW_S)
+    try:
+        collect(queue, {"attention0-verdict"}, 60)
+        early = TCPStore(FFN_HOST, port, None, False, timedelta(seconds=5), wait_for_workers=False)
+        early.set("stranger/early", b"x")
+        assert early.get("stranger/early") == b"x"  # the formation window: the store takes it
+        got = collect(queue, {"ffn0", "attention0"}, 60)
+        assert got["ffn0"]["error"] is None and got["attention0"]["error"] is None, got
+        before = _rss_mib(got["ffn0"]["pid"])
+        written = 0
+        t0 = time.monotonic()
+        for i in range(8):  # 64 MiB at most
+            try:
+                early.set(f"stranger/big{i}", b"y" * (8 * MIB))
+                early.get(f"stranger/big{i}")
+                written += 1
+            except RuntimeError:  # torch's DistNetworkError: the connection was cut
+                break
+        refused_s = time.monotonic() - t0
+        time.sleep(0.5)  # let the store take whatever was on its way
+        grown = _rss_mib(got["ffn0"]["pid"]) - before
+        with pytest.raises(OSError):
+            socket.create_connection((FFN_HOST, port), timeout=2).close()
+    finally:
+        release.set()
+    _finish(procs, queue, release)
+    assert written == 0 and refused_s < 5, (written, refused_s)
+    assert grown < 16, f"FFN rank 0 grew by {grown:.0f} MiB"
+    assert any("cut 1 connection(s) to the group's store" in line for line in got["ffn0"]["log"]), got["ffn0"]
