@@ -18,7 +18,9 @@ Stream
     header ends with ``PeerSilent`` when nothing at all (data or ping) came from that peer for ``alive_s``,
     whatever the wait's own bound (an FFN rank waits for the next step of an idle group for a week, but
     notices a frozen attention rank within ``alive_s``), with ``LinkClosed`` when the peer's socket closed,
-    and with ``LinkTimeout`` at the wait's own bound.
+    and with ``LinkTimeout`` at the wait's own bound. Silence is judged only after taking what already sits
+    in the socket: a side that did not read for a while (an idle attention engine reads only inside an
+    exchange) finds its peer's keep-alives there and counts the peer as heard from now.
 
 Drops (``schedule: batched``)
     ``drop`` sends a rank that missed a step a ``KIND_DROP`` header and closes its link; ``add`` gives it a
@@ -145,21 +147,22 @@ class TcpTransport(Transport):
             for peer in peers:
                 if peer in self._ready or self._carry[peer]:
                     return self._take_header(peer, deadline)
-            now = time.monotonic()
             silent = min(peers, key=lambda p: self._heard[p])
-            if now - self._heard[silent] >= self.alive_s:
-                raise self._silent(silent)
-            if now >= deadline:
-                return None
-            bound = min(deadline, self._heard[silent] + self.alive_s) - now
+            bound = min(deadline, self._heard[silent] + self.alive_s) - time.monotonic()
             with selectors.DefaultSelector() as sel:
                 for peer in peers:
                     sel.register(self._rx[peer], selectors.EVENT_READ, peer)
-                events = sel.select(min(bound, threading.TIMEOUT_MAX))
+                events = sel.select(min(max(bound, 0.0), threading.TIMEOUT_MAX))  # what arrived counts first
             for key, _ in events:
                 peer = self._take_header(key.data, deadline)
                 if peer is not None:
                     return peer
+            if not events:
+                now = time.monotonic()
+                if now - self._heard[silent] >= self.alive_s:
+                    raise self._silent(silent)
+                if now >= deadline:
+                    return None
 
     def _take_header(self, peer: int, deadline: float) -> int | None:
         """Read ``peer``'s next header (it has bytes) into ``_ready``; ``None`` if it was only a ping."""
@@ -185,10 +188,23 @@ class TcpTransport(Transport):
         while got < len(view):
             now = time.monotonic()
             alive_until = self._heard[peer] + self.alive_s
-            if now >= alive_until:
-                raise self._silent(peer)
-            if now >= deadline:
-                raise LinkTimeout(peer, f"nothing from global rank {peer} in time")
+            if now >= alive_until or now >= deadline:
+                # judged only after taking what already arrived: a side that did not read for a while (an idle
+                # attention engine) finds its peer's keep-alives waiting in the socket
+                sock.settimeout(0.0)  # non-blocking: take only what is there
+                try:
+                    n = sock.recv_into(view[got:])
+                except (BlockingIOError, InterruptedError):
+                    if now >= alive_until:
+                        raise self._silent(peer) from None
+                    raise LinkTimeout(peer, f"nothing from global rank {peer} in time") from None
+                except OSError as e:
+                    raise self._closed(peer, e) from None
+                if not n:
+                    raise self._closed(peer, None)
+                got += n
+                self._heard[peer] = time.monotonic()
+                continue
             sock.settimeout(max(min(deadline, alive_until) - now, 1e-3))
             try:
                 n = sock.recv_into(view[got:])

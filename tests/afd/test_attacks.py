@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import threading
 import time
@@ -150,8 +149,8 @@ def test_idle_connections_do_not_lock_a_peer_out(source: str) -> None:
     _join_all([ffn, attn], 10)
     assert got["attention0"]["error"] is None and got["attention0"]["mismatches"] == 0, got["attention0"]
     assert got["attention0-elapsed"]["elapsed"] < 2 * SLACK_S, got
-    evicted = [line for line in got["ffn0"]["log"] if "evicted" in line]
-    assert len(held) >= 80 and len(evicted) >= 16, (len(held), len(evicted))
+    evicted = afd_probe.count(afd_probe.refusals(got["ffn0"]["log"]), "evicted")
+    assert len(held) >= 80 and evicted >= 16, (len(held), evicted)
 
 
 # ------------------------------------------------------------------ 3. a slow hello
@@ -228,42 +227,6 @@ def test_layer_outside_the_model_is_refused_and_the_ffn_serves_on(layer: int) ->
     assert first["error"] is not None, first  # the hostile side got no answer
     assert got["attention0"]["error"] is None and got["attention0"]["mismatches"] == 0, got
     assert groups[1] == {**groups[1], "calls": 4, "error": "ConnectorClosed"}, groups
-
-
-# ------------------------------------------------------------------ 5. store records are MAC'd (gloo)
-def silent_gloo_attention(cfg: AfdConfig, queue: Any) -> None:
-    os.environ[auth.TOKEN_ENV] = TOKEN
-    conn = TorchDistConnector(cfg)
-    conn.init()
-    queue.put(("attention-joined", {"group": conn.group}))
-    time.sleep(60)
-
-
-def test_a_forged_closed_marker_in_the_store_does_not_hide_a_frozen_peer() -> None:
-    """gloo keeps a ``TCPStore``; a stranger who writes "closed" into the attention rank's heartbeat record
-    (even knowing the group id) is ignored, and the FFN still notices the frozen rank within timeout_s."""
-    from torch.distributed import TCPStore
-
-    port, timeout_s = free_port(), 2.0
-    queue = _CTX.Queue()
-    ffn = start(serving_ffn, host_config("ffn", port, timeout_s=timeout_s, backend="gloo"), queue, 1)
-    attn = start(silent_gloo_attention, host_config("attention", port, timeout_s=timeout_s, backend="gloo"), queue)
-    try:
-        group = collect(queue, {"attention-joined"}, 30)["attention-joined"]["group"]
-        store = TCPStore(FFN_HOST, port, None, False, timedelta(seconds=5), wait_for_workers=False)
-        for value in (b"closed", b"999999"):
-            store.set(f"afd/{group}/alive/1", value)
-        t0 = time.monotonic()
-        os.kill(attn.pid, signal.SIGSTOP)
-        time.sleep(timeout_s + 2 * SLACK_S)  # frozen that long; then gone, so nothing waits on it any more
-    finally:
-        attn.kill()
-    ended = collect(queue, {"ffn-group-ended"}, 4 * SLACK_S)["ffn-group-ended"]
-    elapsed = ended["at"] - t0  # CLOCK_MONOTONIC: one clock for every process of the machine
-    _join_all([ffn, attn], 10)
-    assert ended["error"] == "ConnectorTimeout" and "no heartbeat" in ended["message"], ended
-    assert elapsed < timeout_s + 2 * SLACK_S, elapsed
-    assert any("written without the group's key" in line for line in ended["log"]), ended["log"]
 
 
 # ------------------------------------------------------------------ 6, 7. tokens and names

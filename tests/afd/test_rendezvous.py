@@ -203,7 +203,7 @@ def test_scanner_then_the_real_peer_is_served_exactly() -> None:
     assert res["ffn0"]["error"] == "ConnectorClosed" and res["ffn0"]["calls"] == 6, res["ffn0"]
     print("\n".join(line for line in res["ffn0"]["log"] if "refused" in line))
     afd_probe.check_scan(got, res["ffn0"]["log"])
-    assert sum("refused the connection" in line for line in res["ffn0"]["log"]) == (
+    assert sum(afd_probe.refusals(res["ffn0"]["log"]).values()) == (
         afd_probe.SCAN_PROBES + afd_probe.IDLE_CONNECTIONS + 1)  # + wait_listening's probe
 
 

@@ -8,9 +8,11 @@ Both only ever connect to loopback addresses the tests chose.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +24,36 @@ from afd_patches.connectors import auth, session
 IDLE_CONNECTIONS = 20
 SCAN_PROBES = 7  # connections of ``scan`` besides the idle ones
 # what the FFN rank logs for each probe of ``scan`` ("refused the connection from …: <reason>"), and how often
-SCAN_REASONS = {"line longer": 1, "not JSON": 2, "not JSON (RecursionError)": 1, "not an AFD protocol 3 hello": 1,
-                "wrong token": 1, "not part of the topology": 1, "ffn rank 0 is already taken": 1}
+SCAN_REASONS = {"line longer": 1, "not JSON": 1, f"nested deeper than {session.MAX_DEPTH}": 1,
+                f"not an AFD protocol {session.PROTOCOL} hello": 1, "wrong token": 1, "not part of the topology": 1,
+                "ffn rank 0 is already taken": 1}
 # the idle connections: evicted (more than MAX_PER_SOURCE from one address), timed out, or dropped at the end
 SCAN_SILENT = ("evicted", "no complete AFD hello within", "before the rendezvous ended")
+
+
+_DETAIL = re.compile(r"refused the connection from \S+: (.*)$")
+_SUMMARY = re.compile(r"refused \d+ more connection\(s\) in \d+s: (.*)$")
+_SUMMARY_PART = re.compile(r"^(\d+)x (.*) \[last from [^\]]*\]$")
+
+
+def refusals(log_lines: list[str]) -> Counter[str]:
+    """Refused connections by reason, from the FFN rank's log: its lines of one refusal each and its summary
+    lines (``session`` logs the first refusal of each reason per window alone, the rest summed up)."""
+    counts: Counter[str] = Counter()
+    for line in log_lines:
+        if detail := _DETAIL.search(line):
+            counts[detail.group(1)] += 1
+        elif summary := _SUMMARY.search(line):
+            for part in summary.group(1).split(" | "):
+                match = _SUMMARY_PART.match(part)
+                assert match, (part, line)
+                counts[match.group(2)] += int(match.group(1))
+    return counts
+
+
+def count(reasons: Counter[str], words: str) -> int:
+    """How many refusals of ``reasons`` (``refusals``) have ``words`` in their reason."""
+    return sum(n for why, n in reasons.items() if words in why)
 
 
 def connect(host: str, port: int) -> socket.socket:
@@ -67,8 +95,9 @@ def authenticated(host: str, port: int, token: str, hello: dict[str, Any]) -> by
         nj = auth.nonce()
         s.sendall(json.dumps({"afd": session.PROTOCOL, "nonce": nj.hex()}).encode() + b"\n")
         nh = bytes.fromhex(json.loads(read_line(s))["nonce"])
-        proof = session.join_proof(auth.session_key(token.encode(), nj, nh), hello).hex()
-        s.sendall(json.dumps({"proof": proof, "hello": hello}).encode() + b"\n")
+        text = session.canonical(hello)
+        proof = session.join_proof(auth.session_key(token.encode(), nj, nh), text).hex()
+        s.sendall(json.dumps({"proof": proof, "hello": text.decode()}).encode() + b"\n")
         rest = b""
         s.settimeout(5)
         try:
@@ -87,7 +116,7 @@ def scan(host: str, port: int, token: str) -> tuple[dict[str, bytes], list[socke
     idle = [connect(host, port) for _ in range(IDLE_CONNECTIONS)]
     got: dict[str, bytes] = {}
     for name, data in [("random bytes", b"\x00\xff" + secrets.token_bytes(3000) + b"\n"),
-                       ("60 KB line", b"[" * 60_000 + b"\n"), ("deep nesting", b"[" * 15_000 + b"\n"),
+                       ("60 KB line", b"[" * 60_000 + b"\n"), ("deep nesting", b'{"a":' + b"[" * 15_000 + b"\n"),
                        ("empty-fields hello", b'{"afd": 1, "role": "attention", "rank": 0, "fields": {}}\n')]:
         with connect(host, port) as s:
             try:
@@ -108,11 +137,11 @@ def check_scan(got: dict[str, bytes], log_lines: list[str]) -> None:
             assert b"num_attention_ranks" not in answer and b"inline_bytes" not in answer, (name, answer)
     assert got["wrong token"] == b'{"afd_refused":"proof"}\n', got["wrong token"]
     assert b"not part of the topology" in got["unknown role"] and b"already taken" in got["duplicate rank"]
-    refused = [line for line in log_lines if "refused the connection from" in line]
+    reasons = refusals(log_lines)
     for words, n in SCAN_REASONS.items():
-        assert sum(words in line for line in refused) == n, (words, refused[:40])
-    silent = sum(any(w in line for w in SCAN_SILENT) for line in refused)
-    assert IDLE_CONNECTIONS <= silent <= IDLE_CONNECTIONS + 1, refused[:40]  # + a listening probe, when evicted
+        assert count(reasons, words) == n, (words, reasons)
+    silent = sum(count(reasons, w) for w in SCAN_SILENT)
+    assert IDLE_CONNECTIONS <= silent <= IDLE_CONNECTIONS + 1, reasons  # + a listening probe, when evicted
 
 
 _json_values = st.recursive(
@@ -122,7 +151,7 @@ _json_values = st.recursive(
 _lines = _json_values.map(lambda v: json.dumps(v).encode() + b"\n")
 _first = st.one_of(
     st.binary(max_size=4096), _lines,
-    st.fixed_dictionaries({"afd": st.sampled_from([3, 1, "3", None]),
+    st.fixed_dictionaries({"afd": st.sampled_from([session.PROTOCOL, 1, str(session.PROTOCOL), None]),
                            "nonce": st.one_of(st.text(max_size=70), st.just("ab" * 32))}).map(
         lambda d: json.dumps(d).encode() + b"\n"))
 
