@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.env import REPO, vllm_env
+from harness import starts
+from harness.env import vllm_env
 from harness.tiny_model import FAMILIES
 
 ARCH = {family: f"AFD{cls}ForCausalLM" for family, (cls, _) in FAMILIES.items()}  # family -> AFD architecture
@@ -74,7 +75,8 @@ def tail(log: Path, n: int = 4000) -> str:
 
 
 def start(spec: dict[str, Any], workdir: Path) -> Engine:
-    """Start one engine process for ``spec`` in its own session; (process, log, result path)."""
+    """Start one engine process for ``spec`` in its own session (counted: ``harness.starts``); (process, log,
+    result path)."""
     spec_path = workdir / f"spec-{spec['name']}.json"
     spec["out"] = str(workdir / f"out-{spec['name']}.json")
     Path(spec["out"]).unlink(missing_ok=True)
@@ -86,9 +88,8 @@ def start(spec: dict[str, Any], workdir: Path) -> Engine:
     extra = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **spec.get("env", {})}
     if not spec.get("multiprocessing", False):
         extra.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "harness.engine", str(spec_path)], env=vllm_env(**extra),
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    proc = starts.spawn("engine", [sys.executable, "-m", "harness.engine", str(spec_path)], log, vllm_env(**extra),
+                        what=f"{spec['mode']} {spec['name']}")
     return proc, log, Path(spec["out"])
 
 

@@ -4,19 +4,115 @@
 with the replacements) on a fresh ``sys.path`` entry; ``manifest_dir`` writes one manifest,
 usually ``tests.support.manifests.header(...)`` plus entries; ``runtime`` says "vLLM 0.32.0
 on cpu" without importing vLLM. Code shared beyond fixtures lives in ``tests/support/``.
+
+The session also counts the vLLM process trees it starts (``harness.starts``: engines, API servers, front
+ends): each test module may start at most its ``ENGINE_BUDGET`` (a module-level int; none declared: 0; with
+its ``matrix`` tests selected, its ``MATRIX_ENGINE_BUDGET``), or its last test errors at teardown, naming the
+count. At its end the session prints the starts per module and kind and its ten slowest tests (setup + call +
+teardown). Under pytest-xdist the workers record into their controller's folder, and a module whose tests are
+spread over workers is checked against what was recorded by the time its teardown runs on each.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 import textwrap
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import patchkit
+from harness import starts
 from patchkit.plan import Runtime
+
+_STARTS_DIR = pytest.StashKey[str]()
+_PREVIOUS_DIR = pytest.StashKey["str | None"]()
+_BUDGETS = pytest.StashKey[dict[str, int]]()
+SLOWEST = 10
+
+
+def _worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (its controller owns the session's start records)."""
+    return hasattr(config, "workerinput") and bool(os.environ.get(starts.ENV))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A fresh folder for this session's start records, named to every process it starts (``HARNESS_STARTS_DIR``);
+    a pytest-xdist worker records into its controller's."""
+    config.stash[_PREVIOUS_DIR] = os.environ.get(starts.ENV)
+    config.stash[_STARTS_DIR] = os.environ[starts.ENV] if _worker(config) else tempfile.mkdtemp(prefix="afd-starts-")
+    config.stash[_BUDGETS] = {}
+    os.environ[starts.ENV] = config.stash[_STARTS_DIR]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _STARTS_DIR not in config.stash or _worker(config):
+        return
+    shutil.rmtree(config.stash[_STARTS_DIR], ignore_errors=True)
+    previous = config.stash[_PREVIOUS_DIR]
+    if previous is None:
+        os.environ.pop(starts.ENV, None)
+    else:
+        os.environ[starts.ENV] = previous
+
+
+def _budget(request: pytest.FixtureRequest) -> tuple[int, str]:
+    """The module's budget for this session's selection, and the name of the constant it came from.
+
+    ``ENGINE_BUDGET`` bounds the default selection (``-m 'not matrix'``); a module with ``matrix`` tests also
+    declares ``MATRIX_ENGINE_BUDGET``, the bound of all its tests, which applies once any of its ``matrix``
+    tests is selected. Undeclared: 0."""
+    module = request.node
+    selected_matrix = any(item.get_closest_marker("matrix") for item in request.session.items
+                          if item.nodeid.startswith(f"{module.nodeid}::"))
+    name = "MATRIX_ENGINE_BUDGET" if selected_matrix else "ENGINE_BUDGET"
+    return int(getattr(request.module, name, 0)), name
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_budget(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The module's budget of vLLM starts (``_budget``); after its last test, fails when the module started
+    more vLLM process trees (every kind of ``harness.starts``, made for any of its tests) than that."""
+    module = request.node.nodeid
+    budget, name = _budget(request)
+    request.config.stash[_BUDGETS][module] = budget
+    yield budget
+    counts = starts.per_module(starts.read(request.config.stash[_STARTS_DIR])).get(module, Counter())
+    if sum(counts.values()) > budget:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+        pytest.fail(f"{module} started {sum(counts.values())} vLLM process trees ({kinds}), over its "
+                    f"{name} of {budget}: share an engine (a module- or session-scoped fixture) before "
+                    "raising the budget", pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """The session's vLLM starts (per kind, and per module against its budget) and its slowest tests."""
+    if _STARTS_DIR not in config.stash:
+        return
+    rows = starts.read(config.stash[_STARTS_DIR])
+    kinds = Counter(row["kind"] for row in rows)
+    terminalreporter.write_sep("=", f"vLLM starts: {len(rows)} (" + ", ".join(
+        f"{kinds[kind]} {kind}{'s' if kinds[kind] != 1 else ''}" for kind in starts.KINDS) + ")")
+    budgets = config.stash[_BUDGETS]
+    for module, counts in sorted(starts.per_module(rows).items()):
+        detail = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+        terminalreporter.write_line(f"{sum(counts.values()):5d}  {module or '(outside a test)'}  ({detail}; "
+                                    f"budget {budgets.get(module, 0)})")
+    per_test: Counter[str] = Counter()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                per_test[report.nodeid] += report.duration
+    durations = per_test.most_common(SLOWEST)
+    if durations:
+        terminalreporter.write_sep("=", f"{len(durations)} slowest tests (setup + call + teardown)")
+    for nodeid, seconds in durations:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
 
 
 @pytest.fixture

@@ -2,6 +2,9 @@
 
 These tests need vLLM (the CPU build) importable. They do not skip when it is
 missing: they fail, loudly, because a green run without vLLM would prove nothing.
+
+``front_end``: the front-end refusals of every selected module (its ``front_end_cases(model)``) checked in one
+process (``harness.config_probe``), not one vLLM front end per case.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.config_probe import Probe, probe
 from harness.engine import Generation, generate
 from harness.env import REPO
 
@@ -44,3 +48,14 @@ def plain_generation(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
                      max_tokens=MAX_TOKENS, logprobs=LOGPROBS, timeout_s=START_TIMEOUT_S)
     assert plain.returncode == 0 and plain.result, plain.output[-3000:]
     return plain
+
+
+@pytest.fixture(scope="session")
+def front_end(request: pytest.FixtureRequest, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Probe:
+    """The cases ``front_end_cases(tiny_llama)`` of every module with selected tests, in one probe process
+    (``harness.config_probe``: vLLM's config step only, the plugin loaded, ``AFD_TOKEN`` unset); results by
+    case name (unique across modules)."""
+    modules = {getattr(item, "module", None) for item in request.session.items}
+    cases = [case for module in sorted((m for m in modules if hasattr(m, "front_end_cases")), key=lambda m: m.__name__)
+             for case in module.front_end_cases(tiny_llama)]
+    return probe(cases, tmp_path_factory.mktemp("front-end"), unset=("AFD_TOKEN",))

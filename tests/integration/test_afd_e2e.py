@@ -46,6 +46,11 @@ from harness.tiny_model import build
 
 pytestmark = pytest.mark.vllm
 
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 89: 1A1F on 14 families (plain + FFN +
+# attention each) and 2 pingpong pairs, 1 plain that cannot run, 4 compiled triples and a second compiled llama
+# pair, 6 2A1F triples, 2 busy/idle triples, 2 kill pairs.
+ENGINE_BUDGET = 89
+
 LAYERS = 2
 PROMPTS = [[1, 17, 42, 99, 123, 7], [5, 300, 211, 64], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
 MAX_TOKENS = 8

@@ -4,7 +4,8 @@ One FFN server (rendezvous on 127.0.0.2, with ``AFD_TOKEN``) and one attention s
 (joining from 127.0.0.1), real vLLM CPU build, tiny float32 Llama:
 
 1. an FFN server whose ``--afd-host`` is not loopback and that has no token fails fast,
-   naming ``AFD_TOKEN``/``token_file``;
+   naming ``AFD_TOKEN``/``token_file`` (its command line checked at vLLM's config step, in the session's one
+   probe process: ``front_end``);
 2. the rendezvous port answers on 127.0.0.2 only (127.0.0.3 is refused);
 3. a scanner (``tests/support/afd_probe.py``) probes the running FFN server; then the attention
    server joins within its normal start time and its greedy tokens and top-5 logprobs equal
@@ -24,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -32,14 +32,15 @@ from typing import Any
 
 import pytest
 
+from harness.config_probe import Probe
 from harness.engine import tail
-from harness.env import REPO, free_port
+from harness.env import free_port
 from tests.integration.test_afd_server import (
     HOST,
     MAX_TOKENS,
+    SERVER,
     START_TIMEOUT_S,
     _complete,
-    _env,
     _max_logprob_difference,
     _server_args,
     _servers,
@@ -51,6 +52,11 @@ from tests.integration.test_afd_server import (
 from tests.support import afd_probe
 
 pytestmark = pytest.mark.vllm
+
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 5: the session's front-end probe (its
+# non-loopback case) when this module's tests come first, the session's plain engine (plain_generation), FFN +
+# attention + restarted attention servers.
+ENGINE_BUDGET = 5
 
 FFN_HOST = "127.0.0.2"
 TOKEN = "integration-test-token-0123456789abcdef"
@@ -80,19 +86,22 @@ def _tokens(response: dict) -> list[int]:
     return [_token_id(t) for t in response["choices"][0]["logprobs"]["tokens"]]
 
 
-def test_non_loopback_host_without_token_fails_fast(model_dir: Path, tmp_path: Path) -> None:
-    args = _server_args(model_dir, free_port(), "--afd-role", "ffn", "--afd-host", "10.1.2.3",
+def front_end_cases(model: Path) -> list[dict[str, object]]:
+    """For the session's probe process (``front_end``, ``AFD_TOKEN`` unset): an FFN server's command line whose
+    ``--afd-host`` is not loopback, without a token."""
+    args = _server_args(model, free_port(), "--afd-role", "ffn", "--afd-host", "10.1.2.3",
                         "--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]}))
-    env = _env()
-    env.pop("AFD_TOKEN", None)
-    t0 = time.monotonic()
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=FAIL_FAST_S + 60, cwd=REPO)
-    elapsed = time.monotonic() - t0
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
+    return [{"name": "non-loopback-host-without-token", "cli": args[len(SERVER):]}]
+
+
+def test_non_loopback_host_without_token_fails_fast(front_end: Probe) -> None:
+    """Refused at the server's config step (``create_engine_config()``), naming ``AFD_TOKEN``/``token_file``."""
+    result = front_end.results["non-loopback-host-without-token"]
+    assert result["refused"], result
+    out = result["error"]
     assert "AFD_TOKEN" in out and "token_file" in out and '["host"]' in out, out[-3000:]
-    assert elapsed < FAIL_FAST_S, elapsed
-    print(f"non-loopback host without a token: refused in {elapsed:.1f}s")
+    assert result["seconds"] < FAIL_FAST_S, result["seconds"]
+    print(f"non-loopback host without a token: refused in {result['seconds']:.1f}s of its config step")
 
 
 def test_token_scanner_rolling_restart_and_metrics(model_dir: Path, plain_generation: Any, tmp_path: Path) -> None:

@@ -37,10 +37,15 @@ from typing import Any
 
 import pytest
 
+from harness import starts
 from harness.engine import tail
-from harness.env import REPO, free_port, vllm_env
+from harness.env import free_port, vllm_env
 
 pytestmark = pytest.mark.vllm
+
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 11: two --help front ends, the session's
+# plain engine (plain_generation) and 8 API servers (pair: 2, attention killed: 2, FFN restart: 4).
+ENGINE_BUDGET = 11
 
 HOST = "127.0.0.1"
 PROMPT = [1, 2, 3, 4, 5]
@@ -60,12 +65,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def test_api_server_help_lists_afd_flags() -> None:
-    overview = subprocess.run([*SERVER, "--help"], env=_env(), capture_output=True, text=True,
-                              timeout=HELP_TIMEOUT_S, cwd=REPO)
+    overview = starts.run([*SERVER, "--help"], _env(), HELP_TIMEOUT_S)
     assert overview.returncode == 0, overview.stderr[-3000:]
     assert any(line.strip().startswith("AFD ") for line in overview.stdout.splitlines()), overview.stdout[-3000:]
-    group = subprocess.run([*SERVER, "--help=AFD"], env=_env(), capture_output=True, text=True,
-                           timeout=HELP_TIMEOUT_S, cwd=REPO)
+    group = starts.run([*SERVER, "--help=AFD"], _env(), HELP_TIMEOUT_S)
     assert group.returncode == 0, group.stderr[-3000:]
     for flag in AFD_FLAGS:
         assert flag in group.stdout, f"{flag} missing from --help=AFD:\n{group.stdout}"
@@ -121,9 +124,8 @@ def _servers() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def _start(procs: list[subprocess.Popen[bytes]], args: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(args, env=_env(**env), stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
-                                start_new_session=True)
+    """Start one API server tree (counted: ``harness.starts``), output into ``log``; appended to ``procs``."""
+    proc = starts.spawn("API server", args, log, _env(**env))
     procs.append(proc)
     return proc
 

@@ -25,6 +25,11 @@ from tests.integration.test_afd_e2e import LAYERS, _afd, _assert_same_outputs, _
 
 pytestmark = pytest.mark.vllm
 
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 8: plain TP 2 + a TP 2 pair; plain TP 1
+# + 2A2F (4 engines); with the matrix also qwen3_moe TP 2 (3), the mixed split (3), the expert-parallel crash (3).
+ENGINE_BUDGET = 8
+MATRIX_ENGINE_BUDGET = 17
+
 TP = 2
 _PLAIN_TP: dict[str, tuple[Path, dict[str, Any]]] = {}
 

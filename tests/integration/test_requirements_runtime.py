@@ -3,7 +3,8 @@ while plain generation with the plugin installed is unaffected (same tokens and 
 
 The vLLM imported here is a copy of the installed tree with the three kinds of drift of
 tests/support/drift_injection.py (constructor keyword renamed, subclassed method body changed, name
-removed), put first on the import path; the copy stays consistent, so vLLM itself runs.
+removed), put first on the import path; the copy stays consistent, so vLLM itself runs. The refusal is
+checked at vLLM's config step (``harness.config_probe``), where a front end refuses it.
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from harness.engine import generate
+from harness.config_probe import probe
+from harness.engine import engine_kwargs, generate
 from harness.env import vllm_env
 from tests.support.drift_injection import DRIFTS, drifted_copy
 
 pytestmark = pytest.mark.vllm
+
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 3: the drifted refusal (a probe),
+# plain from the drifted tree and plain.
+ENGINE_BUDGET = 3
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +35,20 @@ def drifted_vllm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_afd_is_refused_naming_each_drifted_symbol(drifted_vllm, tiny_llama, tmp_path):
+    """Refused at vLLM's config step (``create_engine_config()`` in a probe process importing the drifted tree),
+    as ``generate`` would ask for AFD, before any engine starts."""
     started = time.perf_counter()
-    gen = generate(tiny_llama, tmp_path, additional_config={"afd": {"role": "attention"}},
-                   hf_overrides={"architectures": ["AFDLlamaForCausalLM"]}, timeout_s=240,
-                   PYTHONPATH=str(drifted_vllm))
-    assert gen.returncode != 0
-    assert "AfdUnavailable" in gen.output and "no longer has what afd-plugin relies on" in gen.output, \
-        gen.output[-4000:]
+    run = probe([{"name": "drifted", "engine_args": engine_kwargs({
+        "mode": "plain", "model": str(tiny_llama), "additional_config": {"afd": {"role": "attention"}},
+        "hf_overrides": {"architectures": ["AFDLlamaForCausalLM"]}})}], tmp_path, timeout_s=240,
+        PYTHONPATH=str(drifted_vllm))
+    result = run.results["drifted"]
+    assert result["refused"], result
+    out = result["error"]
+    assert "AfdUnavailable" in out and "no longer has what afd-plugin relies on" in out, out[-4000:]
     for drift in DRIFTS.values():
-        assert f"{drift.requirement}: {drift.verdict} (pin " in gen.output, (drift, gen.output[-4000:])
-    assert "EngineCore" not in gen.output, "must be refused in the front end, before an engine starts"
+        assert f"{drift.requirement}: {drift.verdict} (pin " in out, (drift, out[-4000:])
+    assert "EngineCore" not in out, "must be refused in the front end, before an engine starts"
     assert time.perf_counter() - started < 120
 
 

