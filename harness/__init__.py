@@ -7,6 +7,7 @@
 - ``construction_bytes``: bytes allocated while vLLM builds a model, per AFD role.
 - ``starts``: every vLLM process tree the tests start (engine, API server, front end), counted in one place.
 - ``config_probe``: vLLM's front-end config step (``create_engine_config()``) for many cases in one process.
+- ``crowd``: 240 loopback addresses connecting at full rate to an AFD port (a test's and a benchmark's).
 
 Not part of the wheel (``pyproject.toml`` ships ``patchkit`` and ``afd_patches`` only); importable
 from the repository root, as the tests, ``scripts/demo.py`` and ``python -m benchmarks.NAME`` run.

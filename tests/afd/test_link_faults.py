@@ -25,6 +25,7 @@ from afd_patches.connectors import auth, liveness, session, wire
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.connectors.torch_dist import TorchDistConnector
 from afd_patches.connectors.torch_group import MacStore, StoreTampered
+from harness.crowd import CROWD, flood
 from harness.env import free_port
 from tests.afd.test_connector import (
     _CTX,
@@ -248,25 +249,6 @@ def test_an_idle_attention_rank_finds_the_keepalives_and_goes_on(schedule: str, 
 
 
 # ------------------------------------------------------------------ 4. a crowd of strangers
-CROWD = [f"127.0.1.{i}" for i in range(1, 241)]
-
-
-def _flood(port: int, sources: list[str], until: float, made: list[int]) -> None:
-    """Connect from ``sources`` in turn as fast as one thread can until ``until``: half send a valid step 1
-    and wait, the others send nothing; each is closed at once."""
-    i = 0
-    while time.monotonic() < until and i < 200_000:
-        source = sources[i % len(sources)]
-        i += 1
-        try:
-            with socket.create_connection((FFN_HOST, port), timeout=0.5, source_address=(source, 0)) as s:
-                if i % 2:
-                    s.sendall(json.dumps({"afd": session.PROTOCOL, "nonce": auth.nonce().hex()}).encode() + b"\n")
-        except OSError:
-            pass
-    made.append(i)
-
-
 def test_a_real_rank_joins_while_240_addresses_connect_at_full_rate() -> None:
     """240 loopback addresses connect as fast as four threads can; the real attention rank joins within 2 s
     (plus scheduling slack here), and the FFN's log gets summary lines, not one line per refusal."""
@@ -275,7 +257,8 @@ def test_a_real_rank_joins_while_240_addresses_connect_at_full_rate() -> None:
     ffn_proc = start(logged_ffn_worker, host_config("ffn", port, timeout_s=60.0), queue, TOKEN)
     afd_probe.wait_listening(FFN_HOST, port, 30)
     until, made = time.monotonic() + 8.0, []
-    threads = [threading.Thread(target=_flood, args=(port, CROWD[i::4], until, made), daemon=True) for i in range(4)]
+    threads = [threading.Thread(target=flood, args=(FFN_HOST, port, CROWD[i::4], until, made, session.PROTOCOL),
+                                daemon=True) for i in range(4)]
     for t in threads:
         t.start()
     time.sleep(2.0)  # the crowd is at full rate
