@@ -18,7 +18,8 @@ asks for AFD the wrong way). Optional: ``compiled`` (default false: eager), ``mu
 (extra environment variables), ``max_num_batched_tokens`` (vLLM's; small values make mixed prefill/decode
 steps), ``tensor_parallel_size`` and ``enable_expert_parallel`` (vLLM's; a TP engine's ``collective_rpc``
 results list its TP ranks in order), ``ffn_wait_s``, ``ready_flag`` (a file created once the engine
-is up), ``generate`` (default true; false for an idle attention rank), ``done_flag`` (a file created once generation is
+is up), ``generate`` (default true; false for an idle attention rank), ``again_after_s`` (idle that long after
+generating, then generate the same prompts again into ``again``), ``done_flag`` (a file created once generation is
 done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
 keep an idle rank up while a busy one works). Writes ``{"tokens", "logprobs", "stats",
 "seconds", "worker_cls"}``. Each engine process runs in ``harness.env.vllm_env`` with
@@ -252,6 +253,10 @@ def main(spec_path: str) -> None:
         if spec.get("generate", True):
             result["tokens"], result["logprobs"], result["finish_reasons"] = _generate(llm, spec)
             result["seconds"]["generate"] = time.monotonic() - t1
+            if spec.get("again_after_s"):  # idle, then the same prompts once more
+                time.sleep(spec["again_after_s"])
+                result["again"] = dict(zip(("tokens", "logprobs", "finish_reasons"), _generate(llm, spec),
+                                           strict=True))
         if spec.get("done_flag"):
             Path(spec["done_flag"]).write_text("done")
         deadline = time.monotonic() + spec.get("ffn_wait_s", 120.0)

@@ -48,8 +48,8 @@ pytestmark = pytest.mark.vllm
 
 # vLLM starts (harness.starts; tests/conftest.py holds the module to them). 89: 1A1F on 14 families (plain + FFN +
 # attention each) and 2 pingpong pairs, 1 plain that cannot run, 4 compiled triples and a second compiled llama
-# pair, 6 2A1F triples, 2 busy/idle triples, 2 kill pairs.
-ENGINE_BUDGET = 89
+# pair, 6 2A1F triples, 2 busy/idle triples, 2 kill pairs; 94: and the idle 1A1F pair and 2A1F triple.
+ENGINE_BUDGET = 94
 
 LAYERS = 2
 PROMPTS = [[1, 17, 42, 99, 123, 7], [5, 300, 211, 64], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
@@ -347,3 +347,27 @@ def test_attention_killed_mid_generation_stops_ffn_engine(workdir: Path) -> None
         log = tail(ffn[1], 20000)
         assert "AFD" in log and "lost attention rank 0" in log, log[-3000:]
         print(f"FFN engine exited {ffn[0].returncode} {elapsed:.1f}s after the attention engine was killed")
+
+
+@pytest.mark.parametrize("a,schedule", [(1, "batched"), (2, "pingpong")])
+def test_an_idle_attention_engine_serves_its_next_request_exactly(workdir: Path, a: int, schedule: str) -> None:
+    """``timeout_s: 5``, no idle ticker (1A1F; 2A1F ``pingpong``): after 12 s idle the next request is exact,
+    and the group never went down (the FFN's keep-alives waiting in the socket count as heard)."""
+    model = _model(workdir, "llama")
+    afd = {**_afd(a, schedule), "timeout_s": 5.0}
+    flags = [str(workdir / f"idle-done-{a}-{r}") for r in range(a)]
+    for f in flags:
+        Path(f).unlink(missing_ok=True)
+    specs = [_spec(f"idle{a}-ffn", "ffn", model, "llama", {**afd, "role": "ffn"})]
+    for r in range(a):
+        spec = _spec(f"idle{a}-attn{r}", "attention", model, "llama", {**afd, "role": "attention", "rank": r})
+        spec.update(again_after_s=12.0, done_flag=flags[r], wait_for=flags)
+        specs.append(spec)
+    plain, (ffn, *attns) = _run_with_plain(workdir, "llama", specs)
+    for attn in attns:
+        _assert_same_outputs(plain, attn)
+        _assert_same_outputs(plain, attn["again"])
+        group = attn["stats"][0]["group"]
+        assert group["up"] and group["outages"] == 0 and group["reformations"] == 0, group
+    _check_roles(ffn, attns, schedule)
+
