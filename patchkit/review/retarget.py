@@ -197,6 +197,7 @@ def _load(text: str, file: str) -> Any:
 
 
 def _dump(doc: Any) -> str:
+    """The text of a round-trip document, in the layout of ``_yaml()``."""
     import io
 
     out = io.StringIO()
@@ -345,6 +346,7 @@ def _override(doc: Any, entries: dict[str, tuple[Any, Any, int]], entry: Any, co
 
 
 def _set_pin(doc: Any, version: str, commit: str | None) -> None:
+    """Set ``vllm.version`` and ``vllm.commit`` (inserted after ``version`` where absent and not null)."""
     pin = doc["vllm"]
     _set(pin, "version", version)
     if "commit" in pin:
