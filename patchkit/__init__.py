@@ -84,6 +84,14 @@ class Status:
 
         return requirements.of_status(self)
 
+    def refusals(self, feature: str | None = None) -> list[Any]:
+        """The failing requirement verdicts that refuse ``feature`` (a name the manifest's ``requires[].feature``
+        declares), or, for ``None``, the plugin itself (requirements without a feature). Empty: nothing refuses
+        it. The plugin asks this where a run asks for the feature; patchkit attaches no meaning to the name."""
+        from patchkit.review import requirements
+
+        return requirements.refusing(self.requirements, feature)
+
     def __repr__(self) -> str:
         return f"Status({self.plugin!r}, active={self.active}, problem={self.problem!r})"
 

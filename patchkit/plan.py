@@ -203,11 +203,13 @@ class WorkerOverride(Change):
 @dataclass(slots=True, kw_only=True, eq=False, repr=False)
 class Requirement(Entry):
     """A vLLM symbol the plugin relies on without changing it: never applied; ``pin`` says how much of
-    its fingerprint counts, ``indirect`` that the plugin's code does not name it."""
+    its fingerprint counts, ``indirect`` that the plugin's code does not name it, ``feature`` the one
+    feature of the plugin that needs it (None: the plugin as a whole; patchkit knows the name as a string only)."""
 
     kind: ClassVar[str] = "require"
     pin: str = "full"
     indirect: bool = False
+    feature: str | None = None
     required: ClassVar[bool] = True  # judged like a required change by the review tools
 
     @property

@@ -14,7 +14,8 @@ keeps release wheels; one already there is not fetched again). Each is read as s
 Writes a Markdown report (default ``.cache/drift/drift-report.md``): per source, the
 verdict summary and ``patchkit check``'s Markdown (drifted entries with their diffs).
 Exit codes: 0 every source fits; 1 a source drifted (an entry or requirement would
-fail); 2 nothing could be checked (no wheel could be fetched, bad input). A nightly
+fail, or a feature-scoped requirement would refuse its feature there); 2 nothing could be
+checked (no wheel could be fetched, bad input). A nightly
 build that cannot be fetched is noted in the report, not an error. Scheduling: see
 docs/review.md, "Drift lane".
 """
@@ -86,11 +87,14 @@ def run_lane(manifest_path: Path, sources: list[tuple[str, str]], base: str | No
             continue
         doc = json.loads(out)
         results[label] = doc
-        drifted = drifted or check_code == 1
         s = doc["summary"]
-        parts += [f"## {label}: vLLM {doc['vllm']['version']} {'**DRIFTED**' if check_code else 'fits'}", "",
+        lost = s["features_refused"]  # the plugin runs there, without these features: a maintainer's signal too
+        drifted = drifted or check_code == 1 or bool(lost)
+        verdict = "**DRIFTED**" if check_code else "**loses features**" if lost else "fits"
+        parts += [f"## {label}: vLLM {doc['vllm']['version']} {verdict}", "",
                   f"{s['entries']} entries ({s['requirements']} requirements); failing: "
-                  f"{', '.join(f'`{f}`' for f in s['failing']) or 'none'}.", ""]
+                  f"{', '.join(f'`{f}`' for f in s['failing']) or 'none'}; features refused: "
+                  f"{', '.join(f'`{f}`' for f in lost) or 'none'}.", ""]
         _, markdown = run_check(manifest_path, source, base, "markdown")
         parts += [markdown.replace("\n## ", "\n### ").replace("## patchkit", "### patchkit", 1), ""]
     code = 2 if not results else (1 if drifted else 0)

@@ -3,6 +3,17 @@ and ``role_of``, which the manifest's worker overrides ask at that call.
 
 Imported in every vLLM process the plugin runs in: ``afd_patches.config`` (a frozen
 dataclass, JSON Schema) is loaded only when an engine asks for AFD.
+
+Features. A manifest requirement may be scoped to one AFD feature (``requires[].feature``); on a
+release where it is missing or drifted, that feature is refused by name when a run asks for it, and
+AFD without it still runs. The names, and when a run asks for each (``features_asked`` and, for the
+model family, ``family_of``), are decided here:
+
+- ``micro-batches``: an attention engine with ``connector_extra_config.micro_batches`` > 1;
+- ``data-parallel``: ``--data-parallel-size`` > 1;
+- ``tp-groups``: ``--tensor-parallel-size`` > 1;
+- ``family:<name>``: a model of that AFD family, ``<name>`` being the module of ``afd_patches.models``
+  that holds its class (``family:llama``, ``family:deepseek_v2``), read from the manifest's ``models``.
 """
 
 from __future__ import annotations
@@ -14,7 +25,15 @@ from afd_patches import CONFIG_KEY
 
 
 class AfdUnavailable(RuntimeError):
-    """AFD was asked for, but this process has no active AFD plan."""
+    """AFD (or one AFD feature a run asked for) is not available with the running vLLM and plan."""
+
+
+# How a run that was refused a feature can run AFD without it (for the message).
+_WITHOUT = {
+    "micro-batches": 'set additional_config["afd"]["connector_extra_config"]["micro_batches"] to 1',
+    "data-parallel": "run one attention engine per server (no --data-parallel-size)",
+    "tp-groups": "run with --tensor-parallel-size 1",
+}
 
 
 def require_active_plan() -> None:
@@ -31,13 +50,56 @@ def require_active_plan() -> None:
         raise AfdUnavailable(
             f"vLLM {status.vllm_version} is not supported by afd-plugin; supported: {status.supported}"
         )
-    drifted = [v for v in status.requirements if v.fails]
+    drifted = status.refusals()
     if drifted:
         raise AfdUnavailable(
             f"vLLM {status.vllm_version} no longer has what afd-plugin relies on ("
             + "; ".join(v.describe() for v in drifted)
             + "); AFD is refused, a run without AFD is unaffected. See docs/manifests.md, 'requires'."
         )
+
+
+def features_asked(engine_args: Any, cfg: Any) -> list[str]:
+    """The AFD features (module docstring) a run with these engine arguments and ``AfdConfig`` asks for,
+    the model family aside (known once vLLM built the config: ``family_of``)."""
+    asked = []
+    if cfg.role == "attention" and int(cfg.connector_extra_config.get("micro_batches", 1)) > 1:
+        asked.append("micro-batches")
+    if int(getattr(engine_args, "data_parallel_size", 1) or 1) > 1:
+        asked.append("data-parallel")
+    if int(getattr(engine_args, "tensor_parallel_size", 1) or 1) > 1:
+        asked.append("tp-groups")
+    return asked
+
+
+def family_of(vllm_config: Any) -> str | None:
+    """``family:<module>`` of the AFD model the config names (its first architecture that the active afd
+    manifest registers), or None when it names none (vLLM then refuses an unknown architecture itself)."""
+    import patchkit
+
+    status = patchkit.status("afd")
+    registered = {m.arch: m.class_ref for m in status.run.manifest.models} if status and status.run else {}
+    for arch in getattr(getattr(vllm_config, "model_config", None), "architectures", None) or ():
+        if arch in registered:
+            return "family:" + registered[arch].partition(":")[0].rpartition(".")[2]
+    return None
+
+
+def require_features(features: list[str]) -> None:
+    """Raise AfdUnavailable naming the first of ``features`` that a failing requirement of the active plan
+    refuses, with each such requirement (symbol, verdict, pins) and how to run AFD without the feature.
+    Call after ``require_active_plan``."""
+    import patchkit
+
+    status = patchkit.status("afd")
+    for feature in features:
+        refused = status.refusals(feature) if status is not None else []
+        if refused:
+            instead = _WITHOUT.get(feature, "use a model family this release supports")
+            raise AfdUnavailable(
+                f"AFD feature {feature!r} is refused on vLLM {status.vllm_version}: it relies on what this release "
+                "lacks (" + "; ".join(v.describe() for v in refused) + f"). AFD without it still runs: {instead}. "
+                "See docs/manifests.md, 'requires'.")
 
 
 def role_of(vllm_config: Any) -> str | None:
@@ -61,6 +123,7 @@ def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: A
 
         require_active_plan()
         cfg = parse(data_parallel.check_front_end(engine_args, additional[CONFIG_KEY]))
+        require_features(features_asked(engine_args, cfg))
         engine_args.additional_config = {**additional, CONFIG_KEY: cfg.to_dict()}
         if cfg.role == "ffn":
             engine_args.enable_prefix_caching = False  # the FFN role has no KV cache to share
@@ -70,6 +133,8 @@ def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: A
 
         compilation.before_config(engine_args, cfg.role, current_platform.is_cuda())
         vllm_config = original(engine_args, *args, **kwargs)
+        family = family_of(vllm_config)
+        require_features([family] if family else [])
         compilation.after_config(vllm_config, cfg.role)
         return vllm_config
     return original(engine_args, *args, **kwargs)

@@ -6,7 +6,7 @@
   see ``patchkit.review.check``. SRC is ``installed``, a folder or a ``.whl``. Exit 0
   nothing would fail, 1 a required entry would fail, 2 bad input.
 - ``retarget MANIFEST --vllm SRC --out NEW [--version SPEC] [--commit SHA]
-  [--reviewed FILE]`` — see ``patchkit.review.retarget``. Exit 0 nothing needs a
+  [--reviewed FILE] [--base SRC]`` — see ``patchkit.review.retarget``. Exit 0 nothing needs a
   human, 1 entries flagged for review (NEW is written), 2 bad input.
 - ``diff OLD NEW [--format text|markdown|json]``, ``diff FILE --git REV`` and
   ``diff --git-driver ARGS…`` (git's seven diff-driver arguments; also
@@ -52,7 +52,8 @@ def cmd_retarget(args: argparse.Namespace) -> int:
     """Run ``patchkit retarget``: write the new manifest, print what needs a human."""
     from patchkit.review.retarget import run_retarget
 
-    code, output = run_retarget(args.manifest, args.vllm, args.out, args.version, args.commit, args.reviewed)
+    code, output = run_retarget(args.manifest, args.vllm, args.out, args.version, args.commit, args.reviewed,
+                                args.base)
     return _emit(code, output)
 
 
@@ -109,7 +110,9 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--version", metavar="SPEC", help="vllm.version of the new manifest (default '==<tree version>')")
     p.add_argument("--commit", metavar="SHA", help="vllm.commit (default: the tree's commit, else null)")
     p.add_argument("--reviewed", metavar="FILE",
-                   help="an earlier reviewed output for this release: carry its reviews where the code is the same")
+                   help="an earlier reviewed output for this release: the output is that file brought up to date "
+                        "(its comments, order, remove: and reviews kept)")
+    p.add_argument("--base", metavar="SRC", help="the tree of the old pin: show each flagged entry's source diff")
     p.set_defaults(func=cmd_retarget)
 
     p = subparsers.add_parser(

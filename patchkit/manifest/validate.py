@@ -311,6 +311,7 @@ def _build(doc: dict[str, Any], lines: Resolved, file: str) -> Manifest:
     requires = tuple(
         Requirement(id=f"require:{r['target']}", target=r["target"], source=_source(lines, ("requires", i)),
                     fingerprint=r.get("fingerprint"), pin=r["pin"], indirect=r.get("indirect", False),
+                    feature=r.get("feature"),
                     on_drift=r.get("on_drift", defaults.get("on_drift", "fail")), why=r["why"])
         for i, r in enumerate(doc.get("requires", []))
     )

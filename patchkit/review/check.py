@@ -8,7 +8,9 @@ and whether ``rebind`` covers it, the subclasses that override a method target,
 whether ``retire_when`` holds for the tree's version, and — given ``base_src``,
 the tree the manifest was written against — a unified diff of each drifted or
 moved target. Requirements (``requires:``, entries with op ``require`` and id
-``require:<target>``) get the same verdicts, judged by their ``pin``. Each callable an entry hands
+``require:<target>``) get the same verdicts, judged by their ``pin``; one scoped to a ``feature`` that
+would fail does not fail the check: it is listed as refusing that feature (``[feature-off]``, and
+``summary.features_refused`` per feature), since the plugin still runs without it. Each callable an entry hands
 patchkit (``with``, ``active_if``, ``role_of``) is compared with its target's signature
 (``patchkit.review.signatures``: the rule per op, and what is not compared); a callable that does not
 fit names the manifest file and line, the parameters and both signatures.
@@ -58,6 +60,7 @@ class EntryCheck:
     file: str | None
     line: int | None
     signatures: list[Fit]
+    refuses: str | None = None  # the feature a failing feature-scoped requirement refuses (then ``fails`` is False)
 
     def to_json(self) -> dict[str, Any]:
         r = self.report
@@ -66,6 +69,7 @@ class EntryCheck:
             "pin": self.entry.pin if self.entry.op == "require" else None,
             "required": self.entry.required, "on_drift": self.entry.on_drift, "source": self.entry.source,
             "verdict": r.verdict, "fails": self.fails,
+            "feature": getattr(self.entry, "feature", None), "refuses_feature": self.refuses,
             "fingerprint": {"pinned": r.pinned, "found": r.found},
             "definition": None if r.definition is None else {
                 "ref": r.definition.ref, "kind": r.definition.kind, "file": self.file, "line": self.line},
@@ -125,6 +129,8 @@ def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None 
         if creates:
             report.notes.append("op 'set' creates the attribute: not a failure")
         fails = entry.required and entry.on_drift == "fail" and report.verdict in _FAILING and not creates
+        refuses = getattr(entry, "feature", None) if fails else None
+        fails = fails and refuses is None
         fits = signatures.check(entry, report.definition)
         installed = not (entry.on_drift == "skip" and report.verdict != "ok")
         fails = fails or (installed and any(f.fits is False for f in fits))
@@ -136,7 +142,7 @@ def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None 
         d = report.definition
         file = tree.path_of(d.module) if d else None
         results.append(EntryCheck(entry, report, fails, retire, _diff(entry, report, tree, base_resolver),
-                                  file, d.first_line if d else None, fits))
+                                  file, d.first_line if d else None, fits, refuses))
     return results
 
 
@@ -248,7 +254,11 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
-    doc["summary"] = {"entries": len(rows), "requirements": len(loaded.requires),
+    refused: dict[str, list[str]] = {}
+    for row in rows:
+        if row["refuses_feature"]:
+            refused.setdefault(row["refuses_feature"], []).append(row["id"])
+    doc["summary"] = {"entries": len(rows), "requirements": len(loaded.requires), "features_refused": refused,
                       "verdicts": counts, "failing": [row["id"] for row in rows if row["fails"]],
                       "misfits": [row["id"] for row in rows if any(f["fits"] is False for f in row["signatures"])],
                       "uncovered_sites": sum(row["uncovered_sites"] for row in rows),
@@ -279,9 +289,11 @@ def _text(doc: dict[str, Any]) -> str:
     if doc["base"]:
         out.append(f"base: vLLM {doc['base']['version'] or 'unknown version'} from {doc['base']['source']}")
     for e in doc["entries"]:
-        flag = "FAIL" if e["fails"] else ("ok" if e["verdict"] == "ok" else "warn")
+        flag = ("FAIL" if e["fails"] else "feature-off" if e["refuses_feature"]
+                else "ok" if e["verdict"] == "ok" else "warn")
         out.append("")
-        subject = (f"requires {e['target']} (pin {e['pin']})" if e["op"] == "require"
+        feature = f", feature {e['feature']}" if e["feature"] else ""
+        subject = (f"requires {e['target']} (pin {e['pin']}{feature})" if e["op"] == "require"
                    else f"{e['id']}: {e['target']}")
         out.append(f"[{flag}] {subject} -> {e['verdict']}")
         fp = e["fingerprint"]
@@ -314,6 +326,8 @@ def _text(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
     out.append("")
+    out.extend(f"feature {name} refused on this tree (the plugin runs without it): {', '.join(ids)}"
+               for name, ids in s["features_refused"].items())
     out.append(f"{s['entries']} entries ({s['requirements']} requirements): {verdicts}; "
                f"{s['uncovered_sites']} uncovered alias sites; callables that do not fit: "
                f"{', '.join(s['misfits']) or 'none'}; failing: {', '.join(s['failing']) or 'none'} "
@@ -354,7 +368,8 @@ def _markdown(doc: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|"]
     for e in doc["entries"]:
         retire = _retire_text(e["retire"]) or ""
-        out.append(f"| `{e['id']}` | `{e['target']}` | {e['verdict']} | {'**yes**' if e['fails'] else 'no'} | "
+        fails = "**yes**" if e["fails"] else f"refuses `{e['refuses_feature']}`" if e["refuses_feature"] else "no"
+        out.append(f"| `{e['id']}` | `{e['target']}` | {e['verdict']} | {fails} | "
                    f"{e['uncovered_sites']} | {len(e['overrides'])} | {_md(retire)} |")
     for e in doc["entries"]:
         out += ["", f"### `{e['id']}` — {e['verdict']}", "",
@@ -388,4 +403,6 @@ def _markdown(doc: dict[str, Any]) -> str:
             f"{', '.join(f'`{f}`' for f in s['misfits']) or 'none'}; failing: "
             f"{', '.join(f'`{f}`' for f in s['failing']) or 'none'} (exit {doc['exit_code']}). "
             f"Parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s."]
+    out += [f"Feature `{name}` refused on this tree (the plugin runs without it): "
+            f"{', '.join(f'`{i}`' for i in ids)}." for name, ids in s["features_refused"].items()]
     return "\n".join(out) + "\n"

@@ -14,7 +14,7 @@ shows as a change of every entry that inherits it. What is compared:
 - ``order``: the applied order (``patchkit.manifest.select.order``) of the entries
   both manifests have, when their relative order differs;
 - ``requires``: requirements added / removed (by target), and per kept
-  target ``pin``, ``fingerprint``, ``on_drift``, ``indirect``, ``why``;
+  target ``pin``, ``fingerprint``, ``on_drift``, ``indirect``, ``feature``, ``why``;
 - ``models``: registrations added / removed / changed (``class``, ``when``);
 - ``workers`` (the entry with op ``workers``): ``at``, ``fingerprint``,
   ``after``, ``on_drift``, ``role_of``, ``overrides``.
@@ -56,7 +56,7 @@ from patchkit.plan import Change as Entry  # diff.py has a Change of its own: a 
 FORMATS = ("text", "markdown", "json")
 _ENTRY_FIELDS = ("target", "op", "with", "value", "module", "bind", "active_if", "when", "after", "fingerprint",
                  "rebind", "on_drift", "required", "why", "upstream", "retire_when")
-_REQUIRE_FIELDS = ("pin", "fingerprint", "on_drift", "indirect", "why")
+_REQUIRE_FIELDS = ("pin", "fingerprint", "on_drift", "indirect", "feature", "why")
 _WORKER_FIELDS = ("at", "fingerprint", "after", "on_drift", "role_of", "overrides")
 _NULL_DEVICE = "/dev/null"
 
@@ -114,7 +114,8 @@ def _workers_view(e: WorkerOverride) -> dict[str, Any]:
 
 
 def _requirement_view(e: Requirement) -> dict[str, Any]:
-    return {"pin": e.pin, "fingerprint": e.fingerprint, "on_drift": e.on_drift, "indirect": e.indirect, "why": e.why}
+    return {"pin": e.pin, "fingerprint": e.fingerprint, "on_drift": e.on_drift, "indirect": e.indirect,
+            "feature": e.feature, "why": e.why}
 
 
 def _keyed_changes(section: str, old: dict[str, Any], new: dict[str, Any], view: Any,

@@ -155,18 +155,21 @@ def _requirement_section(manifests: list[_Loaded]) -> list[str]:
     by_target: dict[str, list[tuple[_Loaded, dict[str, Any]]]] = {}
     for loaded in manifests:
         for r in loaded.manifest.requires:
-            view = {"pin": r.pin, "why": r.why, "on_drift": r.on_drift, "indirect": r.indirect}
+            view = {"pin": r.pin, "why": r.why, "on_drift": r.on_drift, "indirect": r.indirect, "feature": r.feature}
             by_target.setdefault(r.target, []).append((loaded, view))
     out = ["### Requirements", ""]
     if not by_target:
         return [*out, "None.", ""]
     out += ["vLLM symbols the plugin relies on without patching them; `patchkit check` judges each by its pin "
             "(its fingerprint, per release, is in the manifest).", "",
-            "| symbol | pin | on drift | releases | why |", "|---|---|---|---|---|"]
+            "A requirement scoped to a feature refuses only that feature when it fails; `all`: the plugin.", "",
+            "| symbol | pin | on drift | feature | releases | why |", "|---|---|---|---|---|---|"]
     for target, items in by_target.items():
         for view, where in _variants(items):
             pin = view["pin"] + (" (indirect)" if view["indirect"] else "")
-            out.append(f"| `{target}` | {pin} | {view['on_drift']} | {_releases(where)} | {_md(view['why'])} |")
+            feature = f"`{view['feature']}`" if view["feature"] else "all"
+            out.append(f"| `{target}` | {pin} | {view['on_drift']} | {feature} | {_releases(where)} | "
+                       f"{_md(view['why'])} |")
     return [*out, ""]
 
 

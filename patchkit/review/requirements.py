@@ -1,8 +1,11 @@
 """Run-time verdicts of a manifest's ``requires:``: does the running vLLM still have what the plugin relies on?
 
 patchkit only reports; the plugin decides what a drifted requirement means for it
-(afd refuses to start AFD, a run without AFD is untouched). ``verdicts(manifest)``
-judges each requirement against the source of the vLLM this process imports, with
+(afd refuses to start AFD, a run without AFD is untouched). A requirement may name the one
+``feature`` of the plugin that needs it; ``refusing(results, feature)`` then sorts the failing
+verdicts: those without a feature refuse the plugin, those with one refuse that feature only. A
+feature is a string the manifest declares; what it means, and when a run asks for it, is the plugin's.
+``verdicts(manifest)`` judges each requirement against the source of the vLLM this process imports, with
 the static model of ``patchkit.review.static`` — the same resolver, fingerprints and pin
 rules as ``patchkit check``, so the two never disagree — and without importing a
 single target module: a requirement on a GPU worker is judged on a CPU machine
@@ -40,6 +43,7 @@ class Verdict:
     ``verdict`` is ``ok``, ``drifted: signature``, ``drifted: body``, ``moved``,
     ``missing`` or ``unreadable: …``; ``fails`` is True when it is not ``ok`` and
     the requirement's ``on_drift`` is ``fail`` (``warn``/``skip``: reported only).
+    ``feature``: the requirement's feature (None: the plugin as a whole).
     """
 
     target: str
@@ -50,6 +54,7 @@ class Verdict:
     pinned: str | None
     found: str | None
     where: str | None
+    feature: str | None = None
 
     @property
     def fails(self) -> bool:
@@ -73,8 +78,8 @@ def verdicts(manifest: Manifest, source: str = "installed") -> list[Verdict]:
         try:
             resolver = Resolver(open_tree(source))
         except TreeError as exc:
-            return [Verdict(r.target, r.pin, f"unreadable: {exc}", r.on_drift, r.why, r.fingerprint, None, None)
-                    for r in manifest.requires]
+            return [Verdict(r.target, r.pin, f"unreadable: {exc}", r.on_drift, r.why, r.fingerprint, None, None,
+                            r.feature) for r in manifest.requires]
         out = []
         for r in manifest.requires:
             try:
@@ -85,11 +90,17 @@ def verdicts(manifest: Manifest, source: str = "installed") -> list[Verdict]:
             d = report.definition if report else None
             where = f"{resolver.tree.path_of(d.module)}:{d.first_line}" if d else None
             out.append(Verdict(r.target, r.pin, verdict, r.on_drift, r.why, r.fingerprint,
-                               report.found if report else None, where))
+                               report.found if report else None, where, r.feature))
         return out
     finally:
         if collecting:
             gc.enable()
+
+
+def refusing(results: list[Verdict], feature: str | None = None) -> list[Verdict]:
+    """The failing verdicts (``fails``) that refuse ``feature``; ``None``: those of requirements without a
+    feature, which refuse the plugin itself. A requirement of another feature never refuses this one."""
+    return [v for v in results if v.fails and v.feature == feature]
 
 
 def of_status(status: Any) -> list[Verdict]:
@@ -112,8 +123,9 @@ def _log(plugin: str, results: list[Verdict]) -> None:
     log = logging.getLogger("patchkit")
     for v in results:
         if v.verdict != "ok":
-            level = logging.ERROR if v.fails else logging.WARNING
-            log.log(level, "patchkit: %s: requirement %s", plugin, v.describe())
+            level = logging.ERROR if v.fails and v.feature is None else logging.WARNING
+            scope = f" (feature {v.feature})" if v.feature else ""
+            log.log(level, "patchkit: %s: requirement%s %s", plugin, scope, v.describe())
 
 
 def _with_requirements(planned: Manifest) -> Manifest:

@@ -96,18 +96,18 @@ def test_render_content(tmp_path):
 
 def test_requirements_listed_per_release(tmp_path):
     dirs = _dirs(tmp_path)
-    for name, pin in (("vllm-0.32.yaml", "signature"), ("vllm-0.33.yaml", "full")):
+    for name, pin, feature in (("vllm-0.32.yaml", "signature", ""), ("vllm-0.33.yaml", "full", "feature: x-y\n    ")):
         path = dirs["demo"] / name
         path.write_text(path.read_text().replace("\nmodels:", (
             "\nrequires:\n  - target: vllm.z:Base.__init__\n"
-            f"    pin: {pin}\n    fingerprint: \"ast1:0123456789abcdef:0123456789abcdef\"\n"
+            f"    pin: {pin}\n    {feature}fingerprint: \"ast1:0123456789abcdef:0123456789abcdef\"\n"
             "    why: constructed with keywords\nmodels:"), 1))
     text = render(dirs)
     assert "| `vllm-0.32.yaml` | `vllm==0.32.0` | — | 1 | 1 | 1 | yes |" in text
     section = text[text.index("### Requirements"):text.index("### Models")]
-    assert ("| `vllm.z:Base.__init__` | signature | fail | vllm==0.32.0 (`vllm-0.32.yaml`) | "
+    assert ("| `vllm.z:Base.__init__` | signature | fail | all | vllm==0.32.0 (`vllm-0.32.yaml`) | "
             "constructed with keywords |") in section
-    assert "| `vllm.z:Base.__init__` | full | fail | vllm==0.33.0 (`vllm-0.33.yaml`) |" in section
+    assert "| `vllm.z:Base.__init__` | full | fail | `x-y` | vllm==0.33.0 (`vllm-0.33.yaml`) |" in section
 
 
 def test_deterministic(tmp_path):

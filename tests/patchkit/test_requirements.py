@@ -92,8 +92,14 @@ def test_check_fails_naming_the_drifted_requirement(drifted_trees, kind):
     code, out = run_check(M032, str(drifted_trees[kind]), base_src="installed")
     assert code == 1, out
     line = next(ln for ln in out.splitlines() if f"requires {drift.requirement} " in ln)
-    assert line.startswith("[FAIL]") and line.endswith(f"-> {drift.verdict}"), line
-    assert f"require:{drift.requirement}" in out.splitlines()[-2]  # the 'failing:' summary names it
+    assert line.endswith(f"-> {drift.verdict}"), line
+    if drift.feature is None:
+        assert line.startswith("[FAIL]"), line
+        assert f"require:{drift.requirement}" in out.splitlines()[-2]  # the 'failing:' summary names it
+    else:  # refuses its feature only; the check fails here on the patch whose names are gone too
+        assert line.startswith("[feature-off]") and f"feature {drift.feature})" in line, line
+        refused = next(ln for ln in out.splitlines() if ln.startswith(f"feature {drift.feature} refused on this tree"))
+        assert f"require:{drift.requirement}" in refused, refused
     assert f"--- base/{drift.requirement}" in out  # with --base: the source diff of the drifted symbol
     if kind == "removed":
         assert "+++ new/(absent)" in out
@@ -117,7 +123,7 @@ def test_runtime_verdicts_name_the_drifted_requirement(drifted_trees, kind):
     drift = DRIFTS[kind]
     verdicts = {v.target: v for v in requirements.verdicts(manifest.load(M032), str(drifted_trees[kind]))}
     v = verdicts[drift.requirement]
-    assert v.verdict == drift.verdict and v.fails
+    assert v.verdict == drift.verdict and v.fails and v.feature == drift.feature
     assert drift.requirement in v.describe() and drift.verdict in v.describe()
 
 
@@ -140,7 +146,8 @@ def test_warn_requirement_is_reported_but_does_not_fail(drifted_trees, tmp_path)
     code, out = run_check(path, str(drifted_trees["kwarg"]))
     assert code == 0, out
     assert "[warn] requires vllm.model_executor.models.llama:LlamaMLP.__init__ (pin signature)" in out
-    assert "[warn] requires vllm.model_executor.models.llama:LlamaDecoderLayer.__init__ (pin full)" in out
+    assert ("[warn] requires vllm.model_executor.models.llama:LlamaDecoderLayer.__init__ (pin full, feature "
+            "family:llama)") in out
     v = next(v for v in requirements.verdicts(manifest.load(path), str(drifted_trees["kwarg"]))
              if v.target.endswith("LlamaMLP.__init__"))
     assert v.verdict == "drifted: signature" and not v.fails
@@ -162,3 +169,110 @@ def test_diff_lists_requirement_changes(tmp_path):
         ("requires", "removed", "vllm.model_executor.models.utils:PPMissingLayer")]
     assert "- requires vllm.model_executor.models.utils:PPMissingLayer: pin exists" in render(
         changes, "text", "old", "new")
+
+
+# -- requirements scoped to a feature (issue 36 item 3): a synthetic vLLM tree and the afd wiring --
+
+FEATURED_TREE = {
+    "vllm/__init__.py": "",
+    "vllm/_version.py": "__version__ = version = '0.27.1'\n",
+    "vllm/runner.py": "class Runner:\n    def step(self):\n        return 1\n",
+}
+
+
+def _featured(tmp_path: Path) -> tuple[Path, Path]:
+    """(manifest, tree): one plain requirement the tree meets, one of ``micro-batches`` it lacks, one of
+    ``family:llama`` it meets."""
+    tree = tmp_path / "tree"
+    for rel, text in FEATURED_TREE.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
+    path = tmp_path / "m.yaml"
+    path.write_text(_doc("""\
+        - {target: "vllm.runner:Runner.step", pin: exists, why: AFD itself calls it}
+        - {target: "vllm.runner:Runner._allow_microbatching", pin: exists, feature: micro-batches, why: the veto}
+        - {target: "vllm.runner:Runner", pin: exists, feature: "family:llama", why: subclassed}
+        """))
+    return path, tree
+
+
+def test_feature_is_parsed_and_its_name_checked():
+    m = manifest.parse(_doc("- {target: vllm.x:Y, pin: exists, feature: micro-batches, why: w}\n"
+                            "- {target: vllm.x:Z, pin: exists, why: w}\n"), "m.yaml")
+    assert [r.feature for r in m.requires] == ["micro-batches", None]
+    with pytest.raises(ManifestError, match=r"m\.yaml:6: requires\[0\]\.feature"):
+        manifest.parse(_doc("- {target: vllm.x:Y, pin: exists, feature: Micro Batches, why: w}\n"), "m.yaml")
+
+
+def test_a_feature_requirement_refuses_its_feature_only(tmp_path):
+    path, tree = _featured(tmp_path)
+    results = requirements.verdicts(manifest.load(path), str(tree))
+    assert requirements.refusing(results) == []  # nothing refuses the plugin itself
+    refused = requirements.refusing(results, "micro-batches")
+    assert [(v.target, v.verdict, v.feature) for v in refused] == [
+        ("vllm.runner:Runner._allow_microbatching", "missing", "micro-batches")]
+    assert requirements.refusing(results, "family:llama") == []
+    assert requirements.refusing(results, "data-parallel") == []  # a feature no requirement names
+
+
+def test_check_passes_and_names_the_refused_feature(tmp_path):
+    path, tree = _featured(tmp_path)
+    code, out = run_check(path, str(tree))
+    assert code == 0, out
+    assert ("[feature-off] requires vllm.runner:Runner._allow_microbatching (pin exists, feature micro-batches)"
+            " -> missing") in out
+    assert "feature micro-batches refused on this tree (the plugin runs without it): " \
+           "require:vllm.runner:Runner._allow_microbatching" in out
+    import json
+
+    doc = json.loads(run_check(path, str(tree), fmt="json")[1])
+    assert doc["summary"]["failing"] == []
+    assert doc["summary"]["features_refused"] == {"micro-batches": ["require:vllm.runner:Runner._allow_microbatching"]}
+
+
+def test_afd_refuses_the_feature_by_name_and_still_runs(tmp_path, monkeypatch):
+    """afd's front-end wiring on a status whose verdicts come from the synthetic tree: AFD passes its plan
+    check, a run asking for micro-batches is refused naming the feature, the symbol and its verdict before
+    vLLM builds anything, and the features a run asks for follow its arguments."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import patchkit
+    from afd_patches.compat import engine_config
+    from patchkit.plan import ModelRegistration
+
+    path, tree = _featured(tmp_path)
+    loaded = manifest.load(path)
+    results = requirements.verdicts(loaded, str(tree))
+    loaded = dataclasses.replace(loaded, models=(
+        ModelRegistration(arch="AFDLlamaForCausalLM", class_ref="afd_patches.models.llama:AFDLlamaForCausalLM"),))
+    status = patchkit.Status("afd", True, None, "vllm==0.27.1",
+                             SimpleNamespace(manifest=loaded, runtime=SimpleNamespace(vllm_version="0.27.1")))
+    monkeypatch.setattr(requirements, "of_status", lambda s: results)
+    monkeypatch.setattr(patchkit, "status", lambda plugin: status if plugin == "afd" else None)
+
+    engine_config.require_active_plan()  # AFD itself still runs
+    engine_config.require_features(["family:llama", "data-parallel"])
+
+    def original(args: object) -> object:
+        raise AssertionError("vLLM must not build a config for a refused feature")
+
+    raw = {"role": "attention", "connector_extra_config": {"backend": "gloo", "micro_batches": 2}}
+    with pytest.raises(engine_config.AfdUnavailable) as err:
+        engine_config.validate_afd_config(original, SimpleNamespace(additional_config={"afd": raw},
+                                                                     enable_prefix_caching=True))
+    text = str(err.value)
+    assert "AFD feature 'micro-batches' is refused on vLLM 0.27.1" in text, text
+    assert "vllm.runner:Runner._allow_microbatching: missing (pin exists" in text, text
+    assert 'AFD without it still runs: set additional_config["afd"]["connector_extra_config"]["micro_batches"] to 1' \
+        in text, text
+
+    from afd_patches.config import parse
+
+    ffn = parse({"role": "ffn"})
+    assert engine_config.features_asked(SimpleNamespace(data_parallel_size=1, tensor_parallel_size=1), ffn) == []
+    assert engine_config.features_asked(SimpleNamespace(data_parallel_size=2, tensor_parallel_size=2), ffn) == [
+        "data-parallel", "tp-groups"]
+    config = SimpleNamespace(model_config=SimpleNamespace(architectures=["AFDLlamaForCausalLM"]))
+    assert engine_config.family_of(config) == "family:llama"
+    assert engine_config.family_of(SimpleNamespace(model_config=SimpleNamespace(architectures=["X"]))) is None

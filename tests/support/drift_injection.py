@@ -10,7 +10,8 @@ it (``PYTHONPATH=dest``), while what afd-plugin relies on has moved.
 Kinds (``DRIFTS``): ``kwarg`` renames ``LlamaMLP``'s ``bias`` keyword (a constructor
 AFD calls with keywords); ``body`` changes the body of ``LlamaForCausalLM.forward``
 (a method of a class AFD subclasses); ``removed`` renames ``Qwen3MoeSparseMoeBlock``
-away (a name AFD imports).
+away (a name AFD imports; its requirement serves one feature, ``family:qwen3_moe``, so only that family is
+refused, not AFD).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Drift:
-    """One change: the requirement it breaks, the verdict ``check`` must give, and the edits."""
+    """One change: the requirement it breaks, the verdict ``check`` must give, the edits, and the feature of
+    the requirement (None: it refuses AFD itself)."""
 
     requirement: str
     verdict: str
     edits: tuple[tuple[str, str, str, int], ...]  # (file under vllm/, old, new, expected count; 0 = all)
+    feature: str | None = None
 
 
 _LLAMA = "model_executor/models/llama.py"
@@ -53,6 +56,7 @@ DRIFTS: dict[str, Drift] = {
         "vllm.model_executor.models.qwen3_moe:Qwen3MoeSparseMoeBlock.__init__", "missing",
         (("model_executor/models/qwen3_moe.py", "Qwen3MoeSparseMoeBlock", "Qwen3MoeExpertsBlock", 0),
          ("model_executor/models/qwen3_vl_moe.py", "Qwen3MoeSparseMoeBlock", "Qwen3MoeExpertsBlock", 0)),
+        "family:qwen3_moe",
     ),
 }
 
