@@ -24,9 +24,9 @@ from tests.support.drift_injection import DRIFTS, drifted_copy
 
 pytestmark = pytest.mark.vllm
 
-# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 3: the drifted refusal (a probe),
-# plain from the drifted tree and plain.
-ENGINE_BUDGET = 3
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 4: the drifted refusal (a probe),
+# plain from the drifted tree and plain, the feature refusal (a probe).
+ENGINE_BUDGET = 4
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,22 @@ def test_plain_generation_from_the_drifted_tree_is_unaffected(drifted_vllm, tiny
     assert drifted.result is not None and plain.result is not None
     assert drifted.result["tokens"] == plain.result["tokens"]
     assert drifted.result["logprobs"] == plain.result["logprobs"]
+
+
+def test_a_feature_is_refused_by_name_and_afd_runs_without_it(tiny_llama, tmp_path_factory, tmp_path):
+    """A vLLM without what micro-batches need (``split_attn_metadata`` renamed away; vLLM 0.27.1 lacks
+    ``_allow_microbatching`` the same way): an AFD attention engine asking for ``micro_batches: 2`` is refused
+    at vLLM's config step naming the feature, the symbol and its verdict; the same engine without
+    micro-batches is accepted (the plan is active, no requirement of AFD itself fails)."""
+    tree = drifted_copy(tmp_path_factory.mktemp("vllm-without-microbatch"), ["microbatch"])
+    afd = {"micro": {"role": "attention", "connector_extra_config": {"backend": "gloo", "micro_batches": 2}},
+           "whole": {"role": "attention"}}
+    run = probe([{"name": name, "engine_args": engine_kwargs({
+        "mode": "plain", "model": str(tiny_llama), "additional_config": {"afd": config},
+        "hf_overrides": {"architectures": ["AFDLlamaForCausalLM"]}})} for name, config in afd.items()],
+        tmp_path, timeout_s=240, PYTHONPATH=str(tree))
+    micro, whole = run.results["micro"], run.results["whole"]
+    assert micro["refused"], micro
+    assert "AfdUnavailable: AFD feature 'micro-batches' is refused on vLLM 0.32.0" in micro["exception"], micro
+    assert "vllm.v1.worker.ubatch_utils:split_attn_metadata: missing (pin full" in micro["exception"], micro
+    assert not whole["refused"], whole["error"]

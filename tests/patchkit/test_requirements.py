@@ -90,13 +90,14 @@ def drifted_trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_check_fails_naming_the_drifted_requirement(drifted_trees, kind):
     drift = DRIFTS[kind]
     code, out = run_check(M032, str(drifted_trees[kind]), base_src="installed")
-    assert code == 1, out
+    # a feature's requirement alone does not fail the check; ``removed`` also breaks the qwen3-moe proxies patch
+    assert code == (0 if kind == "microbatch" else 1), out
     line = next(ln for ln in out.splitlines() if f"requires {drift.requirement} " in ln)
     assert line.endswith(f"-> {drift.verdict}"), line
     if drift.feature is None:
         assert line.startswith("[FAIL]"), line
         assert f"require:{drift.requirement}" in out.splitlines()[-2]  # the 'failing:' summary names it
-    else:  # refuses its feature only; the check fails here on the patch whose names are gone too
+    else:  # refuses its feature only
         assert line.startswith("[feature-off]") and f"feature {drift.feature})" in line, line
         refused = next(ln for ln in out.splitlines() if ln.startswith(f"feature {drift.feature} refused on this tree"))
         assert f"require:{drift.requirement}" in refused, refused

@@ -11,7 +11,8 @@ Kinds (``DRIFTS``): ``kwarg`` renames ``LlamaMLP``'s ``bias`` keyword (a constru
 AFD calls with keywords); ``body`` changes the body of ``LlamaForCausalLM.forward``
 (a method of a class AFD subclasses); ``removed`` renames ``Qwen3MoeSparseMoeBlock``
 away (a name AFD imports; its requirement serves one feature, ``family:qwen3_moe``, so only that family is
-refused, not AFD).
+refused, not AFD); ``microbatch`` renames ``split_attn_metadata`` away (what micro-batches need, as vLLM 0.27.1
+lacks ``_allow_microbatching``: AFD runs, ``micro_batches`` > 1 is refused; no patch target changes with it).
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ DRIFTS: dict[str, Drift] = {
         (("model_executor/models/qwen3_moe.py", "Qwen3MoeSparseMoeBlock", "Qwen3MoeExpertsBlock", 0),
          ("model_executor/models/qwen3_vl_moe.py", "Qwen3MoeSparseMoeBlock", "Qwen3MoeExpertsBlock", 0)),
         "family:qwen3_moe",
+    ),
+    "microbatch": Drift(
+        "vllm.v1.worker.ubatch_utils:split_attn_metadata", "missing",
+        (("v1/worker/ubatch_utils.py", "def split_attn_metadata(", "def split_attention_metadata(", 1),
+         ("v1/worker/gpu_model_runner.py", "split_attn_metadata", "split_attention_metadata", 2)),
+        "micro-batches",
     ),
 }
 
