@@ -61,6 +61,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     runtime = Runtime.detect()
     print(f"vLLM {runtime.vllm_version} commit {runtime.vllm_commit or 'unknown'} "
           f"platform {runtime.platform} python {runtime.python}")
+    if runtime.vllm_version is not None:
+        from patchkit.runtime.vllm import model_runner_hint
+
+        print(f"model runner: {model_runner_hint()}")
     status = 0
     for plugin, directory in dirs.items():
         compiled = compile_plan(manifest_files(directory), runtime)

@@ -108,6 +108,7 @@ class Run:
         self._callbacks: list[ImportCallback] = []
         self._fingerprints = Fingerprints()
         self._on_change = on_change
+        self.facts: dict[str, str] = {}  # what the plugin learnt about this process (``note``), for its report
 
     # -- scheduling -------------------------------------------------------------------------
     def start(self) -> None:
@@ -273,6 +274,13 @@ class Run:
                 self.status = "reverted"
         self._changed()
 
+    def note(self, key: str, value: str) -> None:
+        """Record a fact about this process that only the plugin learns after start (e.g. which vLLM model runner
+        its worker built) in the report, rewritten at once; a later note of the same key replaces it."""
+        with self._lock:
+            self.facts[key] = value
+        self._changed()
+
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self)
@@ -283,6 +291,7 @@ class Run:
             "digest": self.compiled.digest, "status": self.status,
             "error": str(self.error) if self.error else None,
             "vllm": {"version": self.runtime.vllm_version, "commit": self.runtime.vllm_commit},
+            "facts": dict(self.facts),
             "entries": [r.to_json() for r in self.records.values()],
         }
 

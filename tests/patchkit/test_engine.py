@@ -561,6 +561,22 @@ patches:
     assert "MISMATCH" in capsys.readouterr().out
 
 
+def test_a_noted_fact_goes_into_the_report(victim, manifest_dir, runtime, tmp_path, monkeypatch, capsys):
+    reports = tmp_path / "reports"
+    monkeypatch.setenv("PATCHKIT_REPORT_DIR", str(reports))
+    d = manifest_dir(HEADER + """
+patches:
+  - {id: loud, target: "victim.core:greet", op: wrap, with: "plug.patches:loud", why: t}
+""")
+    assert activate(d, runtime).active
+    patchkit.note("testplug", "model_runner", "v2 (pkg.mod:Runner)")
+    patchkit.note("nobody", "model_runner", "v1")  # a plugin without a plan here: nothing
+    (report,) = reports.glob("*.json")
+    assert json.loads(report.read_text())["facts"] == {"model_runner": "v2 (pkg.mod:Runner)"}
+    assert cli.main(["report", str(reports)]) == 0
+    assert "1 applied; model_runner v2 (pkg.mod:Runner)" in capsys.readouterr().out
+
+
 def test_generated_wrapper_forwards_every_parameter_kind():
     from patchkit.runtime.wrappers import make_wrapper
 
