@@ -202,14 +202,15 @@ class _RoleBase:
         return self.model_runner.get_model()
 
     def _afd_note_runner(self, role: str) -> None:
-        """Log which vLLM model runner this worker built (V1 or Model Runner V2, and its class) and name it in
-        this process's patchkit report (``facts.model_runner``): the manifest's V1 runner entries act only
-        under V1."""
+        """Log which vLLM model runner this worker built (V1 or Model Runner V2, and its class) and note it in
+        this process's patchkit report (``facts.model_runner``: ``v1``/``v2``, ``facts.model_runner_class``):
+        the manifest's entries guarded by ``when.noted.model_runner`` are reported ``off-path`` where the
+        runner is another."""
         import patchkit
 
-        name = micro_batches.runner_name(self.model_runner)
-        logger.info("AFD %s worker: vLLM model runner %s", role, name)
-        patchkit.note("afd", "model_runner", name)
+        logger.info("AFD %s worker: vLLM model runner %s", role, micro_batches.runner_name(self.model_runner))
+        patchkit.note("afd", "model_runner_class", micro_batches.runner_class(self.model_runner))
+        patchkit.note("afd", "model_runner", micro_batches.runner_kind(self.model_runner))
 
     def _afd_common_stats(self, role: str) -> dict[str, Any]:
         conn = self._afd_connector

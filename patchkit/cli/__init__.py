@@ -90,6 +90,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 except (ImportError, TargetMissing) as exc:
                     fp = f" target missing ({exc})"
             print(f"  {n:2}. {e.id:32} {e.op:13} {e.target}\n      {verdict}{fp}")
+            for key, values in e.when.get("noted", {}).items():
+                print(f"      on the running path only where the plugin notes {key} in {values} (decided then)")
             if isinstance(e, ScopedRebind):
                 bound = ", ".join(f"{name} -> {ref}" for name, ref in e.bind)
                 print(f"      during each call where {e.active_if} holds, binds in {e.namespace}: {bound}")

@@ -577,6 +577,29 @@ patches:
     assert "1 applied; model_runner v2 (pkg.mod:Runner)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("noted,outcome", [(None, "applied"), ("v1", "applied"), ("v2", "off-path")])
+def test_a_noted_fact_puts_an_entry_off_path(victim, manifest_dir, runtime, noted, outcome):
+    """``when.noted``: applied at start; a fact noted later that the guard does not list makes it ``off-path``
+    (installed, never reached); reverting restores the target as for any applied entry."""
+    d = manifest_dir(HEADER + """
+patches:
+  - {id: v1-only, target: "victim.core:Engine.run", op: wrap, with: "plug.patches:loud", rebind: none,
+     when: {noted: {model_runner: [v1]}}, why: t}
+""")
+    original = importlib.import_module("victim.core").Engine.__dict__["run"]
+    assert activate(d, runtime).active
+    assert sys.modules["victim.core"].Engine.__dict__["run"] is not original
+    if noted is not None:
+        patchkit.note("testplug", "model_runner", noted)
+    (record,) = patchkit.applied("testplug")
+    assert record["outcome"] == outcome
+    if outcome == "off-path":
+        assert record["reason"] == ("noted model_runner v2 not in ['v1']: the target is not on this process's "
+                                    "running path")
+    patchkit.revert()
+    assert sys.modules["victim.core"].Engine.__dict__["run"] is original
+
+
 def test_generated_wrapper_forwards_every_parameter_kind():
     from patchkit.runtime.wrappers import make_wrapper
 
