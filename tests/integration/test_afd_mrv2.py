@@ -13,6 +13,7 @@ plain MRV2 reference shared by the module.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +75,15 @@ def test_afd_1a1f_matches_plain_mrv2(workdir: Path, plain_runs: dict[str, dict[s
 
 def test_micro_batches_refused_on_mrv2(workdir: Path) -> None:
     """``micro_batches: 2`` on MRV2 fails at the attention worker's start, before it connects (no FFN role is
-    needed to see it), naming MRV2 and why; nothing runs unsplit in silence."""
+    needed to see it), naming MRV2 and why; nothing runs unsplit in silence. The process's patchkit report notes
+    the runner, and the V1-runner entry ``afd.micro-batch-steps`` reads ``off-path`` there."""
     model = _model(workdir, FAMILY)
     afd = _afd(1)
     afd = {**afd, "role": "attention", "connector_extra_config": {**afd["connector_extra_config"], "micro_batches": 2}}
-    proc, log, out = start({**_spec("mrv2-lane-ub2-attn", "attention", model, FAMILY, afd), **MRV2}, workdir)
+    reports = workdir / "reports-ub2"
+    spec = {**_spec("mrv2-lane-ub2-attn", "attention", model, FAMILY, afd), **MRV2,
+            "env": {"PATCHKIT_REPORT_DIR": str(reports)}}
+    proc, log, out = start(spec, workdir)
     try:
         proc.wait(ENGINE_TIMEOUT_S)
     finally:
@@ -87,3 +92,8 @@ def test_micro_batches_refused_on_mrv2(workdir: Path) -> None:
     assert proc.returncode != 0 and not out.exists(), output[-3000:]
     assert "AFD micro-batches (connector_extra_config.micro_batches=2) cannot run on vLLM's Model Runner V2" in output
     assert "AFD has no MRV2 micro-batch path yet" in output
+    (report,) = (json.loads(p.read_text()) for p in reports.glob("afd-*.json"))
+    assert report["facts"] == {"model_runner": "v2",
+                               "model_runner_class": "vllm.v1.worker.cpu.model_runner:CPUModelRunner"}
+    entry = next(e for e in report["entries"] if e["id"] == "afd.micro-batch-steps")
+    assert entry["outcome"] == "off-path", entry
