@@ -22,7 +22,13 @@ ENV = "HARNESS_TRITON_CPU_STANDIN"  # "1": harness.engine installs the stand-in 
 
 
 class _StandInDriver:
-    """The part of a Triton driver vLLM's check reads: ``is_active``."""
+    """The part of a Triton driver vLLM's check reads: ``is_active``. Triton builds a driver only to compile;
+    the interpreter never does, and torch inductor (vLLM's compiled mode) asks one only for its cache key and takes
+    a ``RuntimeError`` as "no Triton backend here", which the constructor raises (inductor then compiles CPU code
+    with its C++ backend, as without Triton)."""
+
+    def __init__(self) -> None:
+        raise RuntimeError("harness.triton_cpu: a stand-in Triton CPU backend, for TRITON_INTERPRET=1 only")
 
     @staticmethod
     def is_active() -> bool:

@@ -8,7 +8,7 @@ the usual role invariants and message accounting, and both roles name MRV2 as th
 under MRV2 fails at start naming why (AFD has no MRV2 micro-batch path yet), instead of running unsplit.
 
 Marked ``vllm``: real vLLM, fails loudly when MRV2 cannot run here (no skips). Its cost: 5 engine starts, one
-plain MRV2 reference shared by the module.
+plain MRV2 reference shared by the module (about 4 min here); ``-m matrix`` adds the compiled triple (about 2 min).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from tests.integration.test_afd_e2e import _afd, _assert_same_outputs, _check_ro
 pytestmark = pytest.mark.vllm
 
 # vLLM starts (harness.starts; tests/conftest.py): plain V1 + plain MRV2 (shared), the 1A1F pair, the refused
-# attention engine.
+# attention engine; with the matrix: and the compiled triple.
 ENGINE_BUDGET = 5
+MATRIX_ENGINE_BUDGET = 8
 
 FAMILY = "llama"
 MRV2 = {"runner": "mrv2"}
@@ -97,3 +98,19 @@ def test_micro_batches_refused_on_mrv2(workdir: Path) -> None:
                                "model_runner_class": "vllm.v1.worker.cpu.model_runner:CPUModelRunner"}
     entry = next(e for e in report["entries"] if e["id"] == "afd.micro-batch-steps")
     assert entry["outcome"] == "off-path", entry
+
+
+@pytest.mark.matrix
+def test_afd_compiled_matches_plain_mrv2_compiled(workdir: Path) -> None:
+    """At vLLM's default compilation (dynamo + inductor; MRV2's own Triton kernels still interpreted) on every
+    engine: AFD 1A1F exact against plain MRV2 compiled the same way."""
+    model = _model(workdir, FAMILY)
+    afd = _afd(1)
+    plain, ffn, attn = _run_engines([
+        {**_spec("mrv2-lane-plain-compiled", "plain", model, FAMILY, compiled=True), **MRV2},
+        {**_spec("mrv2-lane-ffn-compiled", "ffn", model, FAMILY, {**afd, "role": "ffn"}, compiled=True), **MRV2},
+        {**_spec("mrv2-lane-attn-compiled", "attention", model, FAMILY, {**afd, "role": "attention"}, compiled=True),
+         **MRV2},
+    ], workdir, stagger_s=1.0)
+    _assert_same_outputs(plain, attn)
+    _check_roles(ffn, [attn])
