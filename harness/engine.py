@@ -21,8 +21,11 @@ results list its TP ranks in order), ``ffn_wait_s``, ``ready_flag`` (a file crea
 is up), ``generate`` (default true; false for an idle attention rank), ``again_after_s`` (idle that long after
 generating, then generate the same prompts again into ``again``), ``done_flag`` (a file created once generation is
 done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
-keep an idle rank up while a busy one works). Writes ``{"tokens", "logprobs", "stats",
-"seconds", "worker_cls"}``. Each engine process runs in ``harness.env.vllm_env`` with
+keep an idle rank up while a busy one works), ``runner`` (``mrv2``: vLLM's Model Runner V2, run under Triton's
+interpreter with the test-only stand-in CPU backend of ``harness.triton_cpu``; default: the runner vLLM picks,
+V1 on this CPU build). Writes ``{"tokens", "logprobs", "stats",
+"seconds", "worker_cls", "model_runner"}`` (the kind and class of the worker's model runner). Each engine process
+runs in ``harness.env.vllm_env`` with
 thread binding off (``VLLM_CPU_OMP_THREADS_BIND=nobind``) and ``cwd`` the repository root.
 
 From the tests: ``run_engines(specs, workdir)`` starts one process per spec, in order (FFN
@@ -45,13 +48,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import starts
+from harness import starts, triton_cpu
 from harness.env import vllm_env
 from harness.tiny_model import FAMILIES
 
 ARCH = {family: f"AFD{cls}ForCausalLM" for family, (cls, _) in FAMILIES.items()}  # family -> AFD architecture
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 4], [250, 251, 252, 253, 254, 255, 256, 7]]
 ENGINE_TIMEOUT_S = 300.0
+# What ``runner: mrv2`` adds to an engine's environment (harness.triton_cpu): MRV2 on, its Triton kernels interpreted.
+MRV2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", triton_cpu.ENV: "1"}
+
+if os.environ.get(triton_cpu.ENV) == "1":  # before vLLM is imported: here, and in the processes vLLM spawns from here
+    triton_cpu.install()
 
 
 class EngineFailed(RuntimeError):
@@ -86,7 +94,10 @@ def start(spec: dict[str, Any], workdir: Path) -> Engine:
     log = workdir / f"log-{spec['name']}.txt"
     # No thread binding: engines started side by side would all be bound to the same core, and a
     # one-process engine (the default here) would bind its front end along with its worker.
-    extra = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **spec.get("env", {})}
+    runners = {"mrv2": MRV2_ENV, None: {}}
+    if spec.get("runner") not in runners:
+        raise ValueError(f"unknown runner {spec.get('runner')!r}: mrv2 or none")
+    extra = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **runners[spec.get("runner")], **spec.get("env", {})}
     if not spec.get("multiprocessing", False):
         extra.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     proc = starts.spawn("engine", [sys.executable, "-m", "harness.engine", str(spec_path)], log, vllm_env(**extra),
@@ -229,6 +240,13 @@ def _generate(llm: Any, spec: dict[str, Any]) -> tuple[list[list[int]], list[lis
     return tokens, logprobs, [str(o.outputs[0].finish_reason) for o in outs]
 
 
+def _runner_name(worker: Any) -> str:
+    """The worker's model runner, ``"v1 (module:Class)"`` or ``"v2 (...)"`` (in the worker, via ``collective_rpc``)."""
+    from afd_patches.compat.micro_batches import runner_name
+
+    return runner_name(worker.model_runner)
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM
@@ -241,6 +259,7 @@ def main(spec_path: str) -> None:
     llm = LLM(**engine_kwargs(spec))
     result["seconds"]["start"] = time.monotonic() - t0
     result["worker_cls"] = str(llm.llm_engine.vllm_config.parallel_config.worker_cls)
+    result["model_runner"] = llm.collective_rpc(_runner_name)[0]
     if spec.get("ready_flag"):
         Path(spec["ready_flag"]).write_text("ready")
     mode = spec["mode"]

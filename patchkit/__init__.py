@@ -11,6 +11,8 @@ submodules and may change:
 - ``status(plugin)`` — that ``Status`` again, later (e.g. when a run asks for the
   plugin's feature and must fail if the plan is not active).
 - ``applied(plugin=None)`` — the per-entry records of this process.
+- ``note(plugin, key, value)`` — a fact the plugin learnt about this process after start (e.g.
+  ``model_runner``), written into its per-process report (``facts``).
 - ``revert(plugin=None)`` — restore everything (for tests).
 - ``Status`` and the error types ``PatchkitError``, ``ManifestError``,
   ``PatchError``, ``UnsupportedRelease``.
@@ -40,7 +42,7 @@ __version__ = "0.1.0"  # the distribution's version (pyproject.toml); part of th
 
 __all__ = [
     "ManifestError", "PatchError", "PatchkitError", "Status", "UnsupportedRelease",
-    "activate", "applied", "revert", "status",
+    "activate", "applied", "note", "revert", "status",
 ]
 
 _lock = threading.RLock()
@@ -175,6 +177,14 @@ def applied(plugin: str | None = None) -> list[dict[str, Any]]:
         if s.run is not None and (plugin is None or plugin == name):
             out.extend({"plugin": name, **r.to_json()} for r in s.run.records.values())
     return out
+
+
+def note(plugin: str, key: str, value: str) -> None:
+    """Record ``key: value`` in the report of ``plugin``'s plan in this process (``PATCHKIT_REPORT_DIR``, under
+    ``facts``); nothing when the plugin has no plan here. Facts are the plugin's words: keep secrets out of them."""
+    s = _status.get(plugin)
+    if s is not None and s.run is not None:
+        s.run.note(key, value)
 
 
 def revert(plugin: str | None = None) -> None:

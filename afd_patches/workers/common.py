@@ -1,6 +1,9 @@
 """Role behaviour shared by the CPU and CUDA AFD workers (mixins placed before the vLLM worker).
 
-Attention role (``AttentionRoleMixin``): a normal vLLM worker with a KV cache.
+Attention role (``AttentionRoleMixin``): a normal vLLM worker with a KV cache. Asked for
+``micro_batches`` > 1 on vLLM's Model Runner V2 it fails at start (``micro_batches.refuse_on_runner``:
+AFD splits steps only on the V1 runner yet); both roles name their model runner in the log and in
+the process's patchkit report (``facts.model_runner``) and ``afd_stats()`` (``model_runner``).
 After the model is loaded it builds the connector named by the AFD config,
 connects (blocking until the FFN role is there, at most ``timeout_s``) and binds
 it to the model, so the warm-up/profile forwards that follow already exchange
@@ -198,6 +201,17 @@ class _RoleBase:
     def _afd_model(self) -> Any:
         return self.model_runner.get_model()
 
+    def _afd_note_runner(self, role: str) -> None:
+        """Log which vLLM model runner this worker built (V1 or Model Runner V2, and its class) and note it in
+        this process's patchkit report (``facts.model_runner``: ``v1``/``v2``, ``facts.model_runner_class``):
+        the manifest's entries guarded by ``when.noted.model_runner`` are reported ``off-path`` where the
+        runner is another."""
+        import patchkit
+
+        logger.info("AFD %s worker: vLLM model runner %s", role, micro_batches.runner_name(self.model_runner))
+        patchkit.note("afd", "model_runner_class", micro_batches.runner_class(self.model_runner))
+        patchkit.note("afd", "model_runner", micro_batches.runner_kind(self.model_runner))
+
     def _afd_common_stats(self, role: str) -> dict[str, Any]:
         conn = self._afd_connector
         model = self._afd_model()
@@ -207,6 +221,7 @@ class _RoleBase:
             "messages_received": conn.messages_received if conn else 0,
             "kv_cache_bytes": _tensor_bytes(getattr(self.model_runner, "kv_caches", [])),
             "kv_cache_spec_layers": len(self.get_kv_cache_spec()),  # type: ignore[attr-defined]
+            "model_runner": micro_batches.runner_name(self.model_runner),
         }
         stats.update(_param_summary(model))
         stats.update(model.afd_stats() if hasattr(model, "afd_stats") else {})
@@ -228,6 +243,8 @@ class AttentionRoleMixin(_RoleBase):
         if tp is not None and opts.micro_batches > 1:
             raise ValueError(f"AFD micro-batches (micro_batches={opts.micro_batches}) are not supported with "
                              f"tensor parallelism on the attention role (--tensor-parallel-size {tp.size})")
+        self._afd_note_runner("attention")
+        micro_batches.refuse_on_runner(self.model_runner, opts.micro_batches)  # before connecting: fail at start
         if opts.micro_batches > 1:  # before the KV cache: vLLM makes one metadata builder per micro-batch
             self.vllm_config.parallel_config.ubatch_size = opts.micro_batches
         super().load_model(*args, **kwargs)  # type: ignore[misc]
@@ -358,6 +375,7 @@ class FfnRoleMixin(_RoleBase):
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
+        self._afd_note_runner("ffn")
         cfg = afd_config_of(self.vllm_config)
         model = self._afd_model()
         if not hasattr(model, "afd_ffn"):

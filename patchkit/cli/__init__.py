@@ -61,6 +61,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     runtime = Runtime.detect()
     print(f"vLLM {runtime.vllm_version} commit {runtime.vllm_commit or 'unknown'} "
           f"platform {runtime.platform} python {runtime.python}")
+    if runtime.vllm_version is not None:
+        from patchkit.runtime.vllm import model_runner_hint
+
+        print(f"model runner: {model_runner_hint()}")
     status = 0
     for plugin, directory in dirs.items():
         compiled = compile_plan(manifest_files(directory), runtime)
@@ -86,6 +90,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 except (ImportError, TargetMissing) as exc:
                     fp = f" target missing ({exc})"
             print(f"  {n:2}. {e.id:32} {e.op:13} {e.target}\n      {verdict}{fp}")
+            for key, values in e.when.get("noted", {}).items():
+                print(f"      on the running path only where the plugin notes {key} in {values} (decided then)")
             if isinstance(e, ScopedRebind):
                 bound = ", ".join(f"{name} -> {ref}" for name, ref in e.bind)
                 print(f"      during each call where {e.active_if} holds, binds in {e.namespace}: {bound}")

@@ -108,6 +108,7 @@ class Run:
         self._callbacks: list[ImportCallback] = []
         self._fingerprints = Fingerprints()
         self._on_change = on_change
+        self.facts: dict[str, str] = {}  # what the plugin learnt about this process (``note``), for its report
 
     # -- scheduling -------------------------------------------------------------------------
     def start(self) -> None:
@@ -189,6 +190,7 @@ class Run:
             self._stack.append(record)  # from here on a rollback restores the slot and every rebound alias
             record.outcome = "applied"
             targets.rebind_aliases(entry, record, self.manifest.packages)
+            self._judge_noted(entry, record)
         except targets.Skip as skip:
             record.outcome, record.reason = skip.outcome, skip.reason
         except Exception as exc:  # noqa: BLE001 - EntryFailed, or anything unexpected: named, rolled back
@@ -273,6 +275,28 @@ class Run:
                 self.status = "reverted"
         self._changed()
 
+    def note(self, key: str, value: str) -> None:
+        """Record a fact about this process that only the plugin learns after start (e.g. which vLLM model runner
+        its worker built) in the report, rewritten at once; a later note of the same key replaces it. An applied
+        entry whose ``when.noted`` guard the fact contradicts is reported ``off-path`` from then on (its code
+        stays installed: its target is not on this process's running path, so it never runs)."""
+        with self._lock:
+            self.facts[key] = value
+            for entry_id, record in self.records.items():
+                entry = self.entries.get(entry_id)
+                if entry is not None and record.outcome == "applied":
+                    self._judge_noted(entry, record)
+        self._changed()
+
+    def _judge_noted(self, entry: Change, record: Outcome) -> None:
+        """``off-path`` with the reason, when a noted fact is not among the values ``entry.when.noted`` lists."""
+        for key, values in entry.when.get("noted", {}).items():
+            if key in self.facts and self.facts[key] not in values:
+                record.outcome = "off-path"
+                record.reason = (f"noted {key} {self.facts[key]} not in {values}: the target is not on this "
+                                 "process's running path")
+                return
+
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self)
@@ -283,6 +307,7 @@ class Run:
             "digest": self.compiled.digest, "status": self.status,
             "error": str(self.error) if self.error else None,
             "vllm": {"version": self.runtime.vllm_version, "commit": self.runtime.vllm_commit},
+            "facts": dict(self.facts),
             "entries": [r.to_json() for r in self.records.values()],
         }
 

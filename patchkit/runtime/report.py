@@ -2,8 +2,9 @@
 
 With ``PATCHKIT_REPORT_DIR`` set, every process writes
 ``<dir>/<plugin>-<pid>.json`` after each change of its plan's state: pid,
-process role, plan digest, and each entry's outcome, fingerprint verdict and
-time. Reports hold no environment variables and no argument values.
+process role, plan digest, each entry's outcome, fingerprint verdict and
+time, and the facts the plugin noted (``patchkit.note``: e.g. the model
+runner). Reports hold no environment variables and no argument values.
 
 ``check(dir)`` reads them all and says whether every process applied the same
 plan (same digest) without failure. It reads a report as the plan cache reads
@@ -93,8 +94,10 @@ def check(directory: Path) -> tuple[bool, list[str]]:
             outcome = str(e.get("outcome")) if isinstance(e, dict) else "malformed"
             counts[outcome] = counts.get(outcome, 0) + 1
         summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        facts = r.get("facts")
+        noted = "".join(f"; {k} {v}" for k, v in sorted(facts.items())) if isinstance(facts, dict) else ""
         lines.append(f"{r['file']}: pid {r.get('pid')} role {r.get('role')} plan {r.get('digest')} "
-                     f"{r.get('status')}: {summary}" + (f" — {r['error']}" if r.get("error") else ""))
+                     f"{r.get('status')}: {summary}{noted}" + (f" — {r['error']}" if r.get("error") else ""))
     digests = {str(r.get("digest")) for r in read}
     failed = [r for r in read if r.get("status") not in ("active", "reverted")]
     ok = len(digests) == 1 and not failed and not unread

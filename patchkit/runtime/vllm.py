@@ -1,4 +1,4 @@
-"""The two manifest features that need to know vLLM: model registration and worker overrides.
+"""What needs to know vLLM: model registration, worker overrides, and which model runner a process will use.
 
 Neither imports vLLM at module import time. Model registrations run when
 ``vllm.model_executor.models.registry`` is imported (importing it eagerly costs
@@ -21,6 +21,31 @@ from typing import Any
 from patchkit.plan import Runtime, runtime_verdict
 
 logger = logging.getLogger("patchkit")
+
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"  # vLLM's V1 model runner (deleted in vLLM 0.34)
+
+
+def model_runner_hint() -> str:
+    """Which vLLM model runner this installation and environment give an engine, as far as it is known before
+    an engine config exists (``patchkit plan``).
+
+    ``v2`` when this vLLM has no V1 runner (0.34 on); else what ``VLLM_USE_V2_MODEL_RUNNER`` says, read through
+    vLLM's own ``envs``; else vLLM decides per engine (``VllmConfig.use_v2_model_runner``: Triton, the engine's
+    features), and only a process's report can say (``facts.model_runner``, noted by the plugin's worker once
+    it built its runner). Imports ``vllm.envs``; never raises."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(V1_RUNNER_MODULE) is None:
+            return "v2 (this vLLM has no V1 model runner)"
+        from vllm import envs
+
+        chosen = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None)
+    except Exception as exc:  # noqa: BLE001 - a broken probe must not break the command (e.g. a malformed value)
+        return f"unknown (vLLM could not tell: {type(exc).__name__})"
+    if chosen is None:
+        return "chosen by vLLM per engine (VLLM_USE_V2_MODEL_RUNNER unset); each process's report names it"
+    return f"{'v2' if chosen else 'v1'} (VLLM_USE_V2_MODEL_RUNNER)"
 
 def register_model(registry_module: ModuleType, arch: str, class_ref: str) -> Callable[[], None]:
     """Register ``arch`` lazily; return a function that restores the previous registration."""

@@ -561,6 +561,45 @@ patches:
     assert "MISMATCH" in capsys.readouterr().out
 
 
+def test_a_noted_fact_goes_into_the_report(victim, manifest_dir, runtime, tmp_path, monkeypatch, capsys):
+    reports = tmp_path / "reports"
+    monkeypatch.setenv("PATCHKIT_REPORT_DIR", str(reports))
+    d = manifest_dir(HEADER + """
+patches:
+  - {id: loud, target: "victim.core:greet", op: wrap, with: "plug.patches:loud", why: t}
+""")
+    assert activate(d, runtime).active
+    patchkit.note("testplug", "model_runner", "v2 (pkg.mod:Runner)")
+    patchkit.note("nobody", "model_runner", "v1")  # a plugin without a plan here: nothing
+    (report,) = reports.glob("*.json")
+    assert json.loads(report.read_text())["facts"] == {"model_runner": "v2 (pkg.mod:Runner)"}
+    assert cli.main(["report", str(reports)]) == 0
+    assert "1 applied; model_runner v2 (pkg.mod:Runner)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("noted,outcome", [(None, "applied"), ("v1", "applied"), ("v2", "off-path")])
+def test_a_noted_fact_puts_an_entry_off_path(victim, manifest_dir, runtime, noted, outcome):
+    """``when.noted``: applied at start; a fact noted later that the guard does not list makes it ``off-path``
+    (installed, never reached); reverting restores the target as for any applied entry."""
+    d = manifest_dir(HEADER + """
+patches:
+  - {id: v1-only, target: "victim.core:Engine.run", op: wrap, with: "plug.patches:loud", rebind: none,
+     when: {noted: {model_runner: [v1]}}, why: t}
+""")
+    original = importlib.import_module("victim.core").Engine.__dict__["run"]
+    assert activate(d, runtime).active
+    assert sys.modules["victim.core"].Engine.__dict__["run"] is not original
+    if noted is not None:
+        patchkit.note("testplug", "model_runner", noted)
+    (record,) = patchkit.applied("testplug")
+    assert record["outcome"] == outcome
+    if outcome == "off-path":
+        assert record["reason"] == ("noted model_runner v2 not in ['v1']: the target is not on this process's "
+                                    "running path")
+    patchkit.revert()
+    assert sys.modules["victim.core"].Engine.__dict__["run"] is original
+
+
 def test_generated_wrapper_forwards_every_parameter_kind():
     from patchkit.runtime.wrappers import make_wrapper
 

@@ -187,3 +187,16 @@ def test_retarget_of_a_release_file_writes_only_that_file_and_diff_shows_pins_an
     code = main(["retarget", str(tmp_path / "vllm-0.32.yaml"), "--vllm", str(_wheel("0.31.0")),
                  "--out", str(elsewhere / "x.yaml")])
     assert code == 2 and not (elsewhere / "x.yaml").exists()
+
+
+@pytest.mark.parametrize("value,line", [
+    ("1", "model runner: v2 (VLLM_USE_V2_MODEL_RUNNER)"), ("0", "model runner: v1 (VLLM_USE_V2_MODEL_RUNNER)"),
+    (None, "model runner: chosen by vLLM per engine (VLLM_USE_V2_MODEL_RUNNER unset); each process's report names it")])
+def test_plan_names_the_model_runner(capsys, monkeypatch, value, line):
+    """``patchkit plan`` says which model runner an engine gets where that is known without an engine config."""
+    if value is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    assert main(["plan", "--manifests", str(REPO / "manifests" / "afd")]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == line

@@ -539,7 +539,7 @@ def test_a_document_with_too_many_nodes_is_refused_while_composing(tmp_path: Pat
 # -- the public surface -----------------------------------------------------------------------------
 
 def test_the_package_exports_the_public_api_only() -> None:
-    expected = {"activate", "status", "applied", "revert", "Status",
+    expected = {"activate", "status", "applied", "note", "revert", "Status",
                 "PatchkitError", "ManifestError", "PatchError", "UnsupportedRelease"}
     assert set(patchkit.__all__) == expected
     public = {n for n, v in vars(patchkit).items()
