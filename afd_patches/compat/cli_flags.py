@@ -3,12 +3,11 @@
 Two wrappers, both declared in the manifest:
 
 - ``add_afd_cli_args`` wraps ``EngineArgs.add_cli_args`` (a staticmethod) and adds an
-  ``AFD`` argument group: ``--afd-role``, ``--afd-connector``, ``--afd-host``,
-  ``--afd-port``, ``--afd-num-attention-ranks``, ``--afd-num-ffn-ranks``,
-  ``--afd-rank``, ``--afd-timeout-s``, ``--afd-token-file`` (a path; the secret itself is
-  never a command-line value, so it does not show in ``ps``), ``--afd-cpu-cores``. A flag not
-  given leaves no attribute on the namespace (``argparse.SUPPRESS``), so ``--help`` shows AFD's
-  own defaults, not ``None``.
+  ``AFD`` argument group: one flag per ``AfdConfig`` key that declares one (``afd_patches.config.keys``:
+  ``--afd-<key with dashes>``, its type, choices, metavar and help, which shows the key's default).
+  ``--afd-token-file`` is a path; the secret itself is never a command-line value, so it does not
+  show in ``ps``. A flag not given leaves no attribute on the namespace (``argparse.SUPPRESS``), so
+  ``--help`` shows AFD's own defaults, not ``None``.
 - ``afd_from_cli_args`` wraps ``EngineArgs.from_cli_args`` (a classmethod) and maps the
   given flags into ``additional_config["afd"]``.
 
@@ -80,42 +79,22 @@ class Flag:
 
 @functools.cache
 def flags() -> tuple[Flag, ...]:
-    """Every ``--afd-*`` flag, its help showing ``AfdConfig``'s defaults.
+    """Every ``--afd-*`` flag, generated from ``AfdConfig`` (``afd_patches.config.keys``): its help is the
+    key's help plus its default.
 
     Built on first use (a parser being built, or arguments being read): this module is
     imported in every vLLM process the plugin runs in, ``afd_patches.config`` is not."""
-    from afd_patches.config import AfdConfig
+    from afd_patches.config import keys
 
-    defaults = AfdConfig(role="attention")
-    return (
-        Flag("--afd-role", "role", str, "This engine's AFD role. Required when AFD is on.",
-             choices=("attention", "ffn")),
-        Flag("--afd-connector", "connector", str,
-             f"Connector that carries hidden states between the roles (default: {defaults.connector}).",
-             metavar="NAME"),
-        Flag("--afd-host", "host", str,
-             f"Address of the rendezvous both roles meet at (default: {defaults.host}).", metavar="HOST"),
-        Flag("--afd-port", "port", int,
-             f"TCP port of the rendezvous; the same on both roles (default: {defaults.port}).", metavar="PORT"),
-        Flag("--afd-num-attention-ranks", "num_attention_ranks", int,
-             f"A: number of attention engines (default: {defaults.num_attention_ranks}).", metavar="A"),
-        Flag("--afd-num-ffn-ranks", "num_ffn_ranks", int,
-             f"F: number of FFN engines; A must be a multiple of F (default: {defaults.num_ffn_ranks}).",
-             metavar="F"),
-        Flag("--afd-rank", "rank", int,
-             f"This engine's 0-based index among the engines of its role (default: {defaults.rank}).",
-             metavar="N"),
-        Flag("--afd-timeout-s", "timeout_s", float,
-             f"Seconds a receive waits for the peer before failing (default: {defaults.timeout_s:g}).",
-             metavar="SECONDS"),
-        Flag("--afd-token-file", "token_file", str,
-             "File holding the group's shared secret (mode 0600); or set AFD_TOKEN. Required unless "
-             "--afd-host is loopback. The secret itself is never a flag.", metavar="PATH"),
-        Flag("--afd-cpu-cores", "cpu_cores", str,
-             "CPUs this engine's worker(s) run on, as VLLM_CPU_OMP_THREADS_BIND takes them ('0-3', one list per "
-             "worker separated by '|'). Default: that variable unless it is 'auto', else on a loopback "
-             "--afd-host a share of the allowed CPUs derived from role and rank.", metavar="LIST"),
-    )
+    return tuple(Flag(key.flag, key.name, key.kind, _help(key.doc, key.shown_default), choices=key.choices,
+                      metavar=key.metavar) for key in keys() if key.flag)
+
+
+def _help(doc: str, default: str | None) -> str:
+    """``doc`` with ``(default: …)`` before its final period when the key has a default; ``%`` escaped for
+    argparse, which formats help strings."""
+    text = doc if default is None else f"{doc.removesuffix('.')} (default: {default})."
+    return text.replace("%", "%%")
 
 
 def add_afd_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -37,6 +37,7 @@ from typing import Any
 
 import pytest
 
+from afd_patches.compat import cli_flags
 from harness import starts
 from harness.engine import tail
 from harness.env import free_port, vllm_env
@@ -54,8 +55,6 @@ LOGPROBS = 5
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 HELP_TIMEOUT_S = 120.0
-AFD_FLAGS = ("--afd-role", "--afd-connector", "--afd-host", "--afd-port", "--afd-num-attention-ranks",
-             "--afd-num-ffn-ranks", "--afd-rank", "--afd-timeout-s")
 SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
@@ -70,7 +69,7 @@ def test_api_server_help_lists_afd_flags() -> None:
     assert any(line.strip().startswith("AFD ") for line in overview.stdout.splitlines()), overview.stdout[-3000:]
     group = starts.run([*SERVER, "--help=AFD"], _env(), HELP_TIMEOUT_S)
     assert group.returncode == 0, group.stderr[-3000:]
-    for flag in AFD_FLAGS:
+    for flag in (f.option for f in cli_flags.flags()):  # generated from AfdConfig, as the server's are
         assert flag in group.stdout, f"{flag} missing from --help=AFD:\n{group.stdout}"
 
 

@@ -1,0 +1,89 @@
+"""One source for the AFD config: ``AfdConfig`` declares every key; the JSON Schema, the ``--afd-*`` flags and
+docs/running.md's key table are generated from it (``python -m scripts.afd_config_docs``) and agree."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+from afd_patches.compat import cli_flags
+from afd_patches.config import ALIASES, AfdConfig, AfdConfigError, keys, parse
+from scripts import afd_config_docs
+
+
+def test_committed_schema_and_table_are_what_the_dataclass_generates() -> None:
+    assert afd_config_docs.SCHEMA.read_text() == afd_config_docs.schema_text(), (
+        "schemas/afd-config.schema.json is stale: run `python -m scripts.afd_config_docs` and commit the result")
+    current = afd_config_docs.DOC.read_text()
+    assert afd_config_docs.doc_text(current) == current, (
+        "docs/running.md's key table is stale: run `python -m scripts.afd_config_docs` and commit the result")
+    assert afd_config_docs.main(["--check"]) == 0
+
+
+def test_keys_aliases_and_flags_are_the_released_ones() -> None:
+    """The declaration moved; what a user can write did not."""
+    assert [k.name for k in keys()] == [f.name for f in fields(AfdConfig)] == [
+        "role", "connector", "host", "port", "num_attention_ranks", "num_ffn_ranks", "rank", "timeout_s",
+        "connector_extra_config", "token_file", "allow_unauthenticated", "cpu_cores", "compile_ffn"]
+    assert ALIASES == {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
+    assert [f.option for f in cli_flags.flags()] == [
+        "--afd-role", "--afd-connector", "--afd-host", "--afd-port", "--afd-num-attention-ranks",
+        "--afd-num-ffn-ranks", "--afd-rank", "--afd-timeout-s", "--afd-token-file", "--afd-cpu-cores"]
+
+
+def test_schema_flags_and_table_agree_with_the_dataclass() -> None:
+    defaults = AfdConfig(role="attention")
+    properties = json.loads(afd_config_docs.SCHEMA.read_text())["properties"]
+    assert set(properties) == {k.name for k in keys()} | set(ALIASES)
+    parser = argparse.ArgumentParser()
+    group = cli_flags.add_afd_arguments(parser)
+    actions = {a.option_strings[0]: a for a in group._group_actions}
+    assert list(actions) == [k.flag for k in keys() if k.flag]
+    rows = afd_config_docs.table().splitlines()[3:-1]
+    assert len(rows) == len(keys())
+    for key, row in zip(keys(), rows, strict=True):
+        assert key.doc, f"AfdConfig.{key.name} has no string under it"
+        prop = properties[key.name]
+        assert prop["description"] == key.doc
+        assert prop.get("default") == key.default
+        assert ("enum" in prop) == bool(key.choices) and prop.get("enum", list(key.choices or ())) == list(
+            key.choices or ())
+        if key.alias:
+            assert {k: v for k, v in properties[key.alias].items() if k != "description"} == {
+                k: v for k, v in prop.items() if k not in ("description", "default")}
+        if not key.required:
+            assert getattr(defaults, key.name) == key.default
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert cells[1].startswith(f"`{key.name}`") and cells[4] == key.doc.replace("|", "\\|")
+        if key.flag is None:
+            assert cells[0] == "—"
+            continue
+        action = actions.pop(key.flag)
+        assert cells[0].startswith(f"`{key.flag} ")
+        assert action.dest == f"afd_{key.name}" and action.default is argparse.SUPPRESS
+        assert action.type is key.kind and action.choices == (list(key.choices) if key.choices else None)
+        assert action.help is not None and action.help.replace("%%", "%").startswith(key.doc.removesuffix("."))
+        assert (key.shown_default is None) == ("(default: " not in action.help)
+    assert not actions
+
+
+def _below(key: Any) -> Any:
+    """A value just outside ``key``'s declared range, or None when it declares none."""
+    if "minimum" in key.schema:
+        return key.schema["minimum"] - 1
+    if "exclusiveMinimum" in key.schema:
+        return key.schema["exclusiveMinimum"]
+    if "minLength" in key.schema:
+        return ""
+    return None
+
+
+@pytest.mark.parametrize("key", [k for k in keys() if _below(k) is not None], ids=lambda k: k.name)
+def test_parse_enforces_each_declared_constraint_naming_the_key(key: Any) -> None:
+    raw = {"role": "ffn", key.name: _below(key)}
+    with pytest.raises(AfdConfigError, match=rf'^additional_config\["afd"\]\["{key.name}"\]: '):
+        parse(raw)
