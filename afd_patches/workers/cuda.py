@@ -13,8 +13,8 @@ runners would build for one: ``initialize_from_config`` only records the
 (empty) block count instead of handing an empty KV cache config to the
 runner (attention backends, block tables, CUDA-graph manager), and
 ``compile_or_warm_up_model`` does nothing. Not run in this project's CPU-only
-CI (the CPU worker uses a V1-based runner); what holds on a GPU is recorded in
-docs/running.md, "CUDA".
+CI (the CPU workers' MRV2 runner is covered by tests/integration/test_afd_mrv2.py,
+this class is not); what holds on a GPU is recorded in docs/running.md, "CUDA".
 """
 
 from __future__ import annotations
