@@ -161,10 +161,10 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     top-level class of its module, read from the module's file), each string's lines joined into one; an
     attribute without one is left out."""
     import ast
+    import inspect
     import itertools
-    import sys
 
-    with open(sys.modules[cls.__module__].__file__ or "", encoding="utf-8") as f:
+    with open(inspect.getsourcefile(cls) or "", encoding="utf-8") as f:
         tree = ast.parse(f.read())
     body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__).body
     docs = {}
