@@ -156,15 +156,24 @@ _first = st.one_of(
         lambda d: json.dumps(d).encode() + b"\n"))
 
 
+FUZZ_CHUNK = 50  # examples per hypothesis run: the time bound is checked between runs, so it holds to one chunk
+
+
 def fuzz(host: str, port: int, seconds: float, max_connections: int = 2000) -> int:
-    """Hypothesis-made first and second lines, one connection each, for at most ``seconds``; connections made."""
+    """Hypothesis-made first and second lines, one connection each, for at most ``seconds``; connections made.
+
+    Hypothesis runs in chunks of ``FUZZ_CHUNK`` examples until the time or the connections are used up, so
+    the examples it would still generate after the time is up cost at most one chunk."""
     state = {"n": 0, "t0": time.monotonic()}
 
-    @settings(max_examples=max_connections, deadline=None, database=None,
+    def over() -> bool:
+        return time.monotonic() - state["t0"] >= seconds or state["n"] >= max_connections
+
+    @settings(max_examples=FUZZ_CHUNK, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow])
     @given(first=_first, second=st.one_of(st.binary(max_size=2048), _lines), wait_answer=st.booleans())
     def one(first: bytes, second: bytes, wait_answer: bool) -> None:
-        if time.monotonic() - state["t0"] >= seconds:
+        if over():
             return
         state["n"] += 1
         try:
@@ -176,5 +185,6 @@ def fuzz(host: str, port: int, seconds: float, max_connections: int = 2000) -> i
         except OSError:
             pass
 
-    one()
+    while not over():
+        one()
     return state["n"]
