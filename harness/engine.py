@@ -24,7 +24,8 @@ done) and ``wait_for`` (files that must exist before this rank closes its connec
 keep an idle rank up while a busy one works), ``runner`` (``mrv2``: vLLM's Model Runner V2, run under Triton's
 interpreter with the test-only stand-in CPU backend of ``harness.triton_cpu``; default: the runner vLLM picks,
 V1 on this CPU build). Writes ``{"tokens", "logprobs", "stats",
-"seconds", "worker_cls", "model_runner"}`` (the kind and class of the worker's model runner). Each engine process
+"seconds", "worker_cls", "model_runner"}`` (the kind and class of the worker's model runner; one-process
+engines only, ``multiprocessing`` off). Each engine process
 runs in ``harness.env.vllm_env`` with
 thread binding off (``VLLM_CPU_OMP_THREADS_BIND=nobind``) and ``cwd`` the repository root.
 
@@ -259,7 +260,8 @@ def main(spec_path: str) -> None:
     llm = LLM(**engine_kwargs(spec))
     result["seconds"]["start"] = time.monotonic() - t0
     result["worker_cls"] = str(llm.llm_engine.vllm_config.parallel_config.worker_cls)
-    result["model_runner"] = llm.collective_rpc(_runner_name)[0]
+    if not spec.get("multiprocessing", False):  # a function crosses to a worker process only as a pickle
+        result["model_runner"] = llm.collective_rpc(_runner_name)[0]
     if spec.get("ready_flag"):
         Path(spec["ready_flag"]).write_text("ready")
     mode = spec["mode"]
