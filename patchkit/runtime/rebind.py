@@ -8,9 +8,14 @@ list — and replaces attributes that have the target's own name and are the
 very object being replaced. It never touches other names or modules out of
 scope (a blind identity scan of ``sys.modules`` breaks unrelated libraries).
 
-``restore`` undoes it: every attribute of a scoped module that holds our object,
-under any name and whenever it was bound (a ``from X import f`` run after the
-patch included), gets the original back.
+``restore`` undoes it: every attribute of a scoped module that holds our object
+and was or could have been bound to the target gets the original back, whenever it
+was bound (a ``from X import f`` run after the patch included). For an object
+patchkit made (a wrapper, marked ``__patchkit__``) that is every attribute holding
+it, under any name. A ``replace`` entry's object is someone's existing function,
+which other modules may hold under their own names since before the patch: there
+only attributes named as the target are restored (a ``from X import target as h``
+run after the patch keeps the replacement: a limit).
 
 ``unreachable`` lists what rebinding leaves behind, as a report, not a fix, in
 the ``auto`` scope: the same object under another name (``from X import f as g``),
@@ -58,16 +63,18 @@ def rebind(name: str, old: Any, new: Any, prefixes: Iterable[str], owner: Module
             into.append(module.__name__)
 
 
-def restore(installed: Any, original: Any, prefixes: Iterable[str], owner: ModuleType) -> None:
-    """Every attribute of a scoped module (not ``owner``) that holds ``installed`` gets ``original``,
-    except the definition of ``installed`` itself (a ``replace`` entry's function in its own module)."""
+def restore(installed: Any, original: Any, prefixes: Iterable[str], owner: ModuleType, name: str) -> None:
+    """Attributes of scoped modules (not ``owner``) that hold ``installed`` get ``original``: any of them when
+    patchkit made ``installed``, else those named ``name`` (the target's); never the definition of
+    ``installed`` itself (a ``replace`` entry's function in its own module). See the module docstring."""
     home = (getattr(installed, "__module__", None), getattr(installed, "__name__", None))
+    made = hasattr(installed, "__patchkit__")
     for module in _modules(prefixes):
         if module is owner:
             continue
         namespace = vars(module)
         for attr, value in list(namespace.items()):
-            if value is installed and (module.__name__, attr) != home:
+            if value is installed and (made or attr == name) and (module.__name__, attr) != home:
                 namespace[attr] = original
 
 

@@ -241,7 +241,7 @@ def undo(record: Any, scope: tuple[str, ...]) -> None:
     if scope and record.original is not MISSING:
         from patchkit.runtime import rebind
 
-        rebind.restore(record.installed, record.original, (*record.rebound, *scope), slot.owner)
+        rebind.restore(record.installed, record.original, (*record.rebound, *scope), slot.owner, slot.name)
     current = vars(slot.owner).get(slot.name, MISSING) if slot.on_class else getattr(slot.owner, slot.name, MISSING)
     if current is not record.installed:
         logger.warning("patchkit: %s was changed after %s patched it; left as it is", record.target, record.id)

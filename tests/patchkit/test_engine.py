@@ -51,6 +51,7 @@ VICTIM = {
             return greet("u")
     ''',
     "victim/renamed.py": "from victim.core import greet as hello\n",
+    "victim/holder.py": "from victim.core import other\nALIAS = other\n",
     "victim/late.py": "def late(x):\n    return x\n",
     "victim/late_user.py": "from victim.late import late\n",
     "plug/__init__.py": "",
@@ -353,6 +354,25 @@ patches:
     patchkit.revert()
     assert core.greet is original and user.greet is original
     assert not hasattr(core.Engine, "flavour")
+
+
+def test_revert_of_a_replace_leaves_the_replacements_own_aliases(victim, manifest_dir, runtime):
+    """Replacing ``greet`` by an existing function (``other``): revert gives every ``greet`` alias back and
+    leaves the names that held ``other`` before the patch as they were."""
+    import victim.core as core
+    import victim.holder as holder
+    import victim.user as user
+
+    greet, other = core.greet, core.other
+    d = manifest_dir(header("testplug", "plug, victim") + """
+patches:
+  - {id: rep, target: "victim.core:greet", op: replace, with: "victim.core:other", why: t}
+""")
+    assert activate(d, runtime).active
+    assert core.greet is other and user.greet is other
+    patchkit.revert()
+    assert core.greet is greet and user.greet is greet
+    assert holder.other is other and holder.ALIAS is other and core.other is other
 
 
 def test_disable_by_env(victim, manifest_dir, runtime, monkeypatch, caplog):
