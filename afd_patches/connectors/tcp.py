@@ -188,28 +188,18 @@ class TcpTransport(Transport):
         while got < len(view):
             now = time.monotonic()
             alive_until = self._heard[peer] + self.alive_s
-            if now >= alive_until or now >= deadline:
-                # judged only after taking what already arrived: a side that did not read for a while (an idle
-                # attention engine) finds its peer's keep-alives waiting in the socket
-                sock.settimeout(0.0)  # non-blocking: take only what is there
-                try:
-                    n = sock.recv_into(view[got:])
-                except (BlockingIOError, InterruptedError):
-                    if now >= alive_until:
-                        raise self._silent(peer) from None
-                    raise LinkTimeout(peer, f"nothing from global rank {peer} in time") from None
-                except OSError as e:
-                    raise self._closed(peer, e) from None
-                if not n:
-                    raise self._closed(peer, None)
-                got += n
-                self._heard[peer] = time.monotonic()
-                continue
-            sock.settimeout(max(min(deadline, alive_until) - now, 1e-3))
+            # an expired wait still takes what already arrived before it judges: a side that did not read for a
+            # while (an idle attention engine) finds its peer's keep-alives waiting in the socket
+            expired = now >= alive_until or now >= deadline
+            sock.settimeout(0.0 if expired else max(min(deadline, alive_until) - now, 1e-3))
             try:
                 n = sock.recv_into(view[got:])
-            except TimeoutError:
-                continue
+            except (BlockingIOError, TimeoutError):
+                if not expired:
+                    continue
+                if now >= alive_until:
+                    raise self._silent(peer) from None
+                raise LinkTimeout(peer, f"nothing from global rank {peer} in time") from None
             except OSError as e:
                 raise self._closed(peer, e) from None
             if not n:
