@@ -29,6 +29,8 @@ Admission (host side, ``Gate``)
     from hundreds, do not keep it out.
     A failed proof makes its address wait before its next proof is checked: ``BACKOFF_S`` doubled per
     failure in a row, at most ``BACKOFF_MAX_S``, one check per wait; a proof that verifies ends the wait.
+    At most ``MAX_SOURCES`` addresses' budgets and waits are remembered: past that, those that ran out go
+    first, then the oldest half (an address forgotten that way starts with a full budget: a limit).
     Anything malformed, unauthenticated or late drops that connection only and is counted; whatever a
     connection sends, nothing it causes ends the admission thread. A dropped connection is told
     ``{"afd_refused": "proof"}`` (its proof failed) or ``{"afd_refused": "busy"}`` (evicted or late) first:
@@ -86,6 +88,7 @@ SOURCE_RATE, SOURCE_BURST = 50.0, 64.0  # accepted connections a second from one
 TOTAL_RATE, TOTAL_BURST = 1000.0, 200.0  # accepted connections a second from all addresses
 BACKOFF_S, BACKOFF_MAX_S = 0.05, 2.0  # wait before an address's next proof check, after failed proofs
 LOG_INTERVAL_S = 10.0
+MAX_SOURCES = 4 * BACKLOG  # addresses whose rate budget or backoff is remembered (the oldest half goes first)
 
 
 class SessionError(ConnectorError):
@@ -464,9 +467,10 @@ class Gate:
             now = time.monotonic()
             bucket = self._sources.get(source)
             if bucket is None:
-                if len(self._sources) >= 4 * BACKLOG:  # forget addresses whose bucket refilled
-                    self._sources = {s: b for s, b in self._sources.items() if b.level + (now - b.stamp) * b.rate
-                                     < b.burst}
+                if len(self._sources) >= MAX_SOURCES:  # forget addresses whose bucket refilled, else the oldest half
+                    kept = [(s, b) for s, b in self._sources.items()
+                            if b.level + (now - b.stamp) * b.rate < b.burst]
+                    self._sources = dict(kept[-MAX_SOURCES // 2:])
                 bucket = self._sources[source] = _Bucket(SOURCE_RATE, SOURCE_BURST)
             if not bucket.take(now) or not self._total.take(now):
                 conn.close()  # over budget: unread, unanswered
@@ -552,8 +556,9 @@ class Gate:
             backoff = self._backoff.setdefault(p.source, _Backoff())
             backoff.failures += 1
             backoff.next_check = now + min(BACKOFF_S * 2 ** (backoff.failures - 1), BACKOFF_MAX_S)
-            if len(self._backoff) > 4 * BACKLOG:  # forget addresses whose wait is over
-                self._backoff = {s: b for s, b in self._backoff.items() if b.next_check > now}
+            if len(self._backoff) > MAX_SOURCES:  # forget addresses whose wait is over, else the oldest half
+                kept = [(s, b) for s, b in self._backoff.items() if b.next_check > now]
+                self._backoff = dict(kept[-MAX_SOURCES // 2:])
             self._drop(sel, p, "wrong token: a different token (authentication failed)", refusal="proof")
             return True
         self._backoff.pop(p.source, None)

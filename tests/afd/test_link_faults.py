@@ -322,3 +322,25 @@ def test_a_tokenless_group_warns_once(monkeypatch: pytest.MonkeyPatch, caplog: p
     warned = [r.getMessage() for r in caplog.records if "no token" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "any local user" in warned[0] and f"127.0.0.1:{port}" in warned[0], warned
+
+
+def test_the_gate_remembers_a_bounded_number_of_addresses() -> None:
+    """More addresses than ``MAX_SOURCES`` connect once each: the gate's per-address memory stays bounded."""
+    port = free_port()
+    listener = session.listen(FFN_HOST, port, "a test gate")
+    gate = session.Gate(listener, session.Hello("ffn", 0), None, f"{FFN_HOST}:{port}")
+    try:
+        sources = [f"127.0.{2 + i // 250}.{1 + i % 250}" for i in range(session.MAX_SOURCES + 200)]
+        for source in sources:
+            try:
+                socket.create_connection((FFN_HOST, port), timeout=1, source_address=(source, 0)).close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 20
+        while sum(gate.refused.values()) < len(sources) - 50 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sum(gate.refused.values()) >= len(sources) - 50, gate.refused
+        assert len(gate._sources) <= session.MAX_SOURCES, len(gate._sources)
+    finally:
+        gate.close()
+        listener.close()
