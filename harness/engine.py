@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import starts, triton_cpu
+from harness import fork_server, starts, triton_cpu
 from harness.env import vllm_env
 from harness.tiny_model import FAMILIES
 
@@ -67,7 +67,8 @@ class EngineFailed(RuntimeError):
     """An engine process exited non-zero or overran its time limit; carries its log tail."""
 
 
-Engine = tuple[subprocess.Popen[bytes], Path, Path]  # (process, its log, its result file)
+Process = subprocess.Popen[bytes] | fork_server.ForkedProcess
+Engine = tuple[Process, Path, Path]  # (process, its log, its result file)
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,12 +102,17 @@ def start(spec: dict[str, Any], workdir: Path) -> Engine:
     extra = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **runners[spec.get("runner")], **spec.get("env", {})}
     if not spec.get("multiprocessing", False):
         extra.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    proc = starts.spawn("engine", [sys.executable, "-m", "harness.engine", str(spec_path)], log, vllm_env(**extra),
-                        what=f"{spec['mode']} {spec['name']}")
+    env, what = vllm_env(**extra), f"{spec['mode']} {spec['name']}"
+    if fork_server.enabled():
+        base = fork_server.server_env(vllm_env(VLLM_CPU_OMP_THREADS_BIND="nobind"))
+        if fork_server.forkable(env, base):
+            starts.record("engine", f"{what} (forked)")
+            return fork_server.server(base).spawn([str(spec_path)], log, env), log, Path(spec["out"])
+    proc = starts.spawn("engine", [sys.executable, "-m", "harness.engine", str(spec_path)], log, env, what=what)
     return proc, log, Path(spec["out"])
 
 
-def kill(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+def kill(procs: Iterable[Process]) -> None:
     """SIGKILL each still-running process's whole session."""
     for proc in procs:
         if proc.poll() is None:

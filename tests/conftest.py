@@ -9,7 +9,8 @@ The session also counts the vLLM process trees it starts (``harness.starts``: en
 ends): each test module may start at most its ``ENGINE_BUDGET`` (a module-level int; none declared: 0; with
 its ``matrix`` tests selected, its ``MATRIX_ENGINE_BUDGET``), or its last test errors at teardown, naming the
 count. At its end the session prints the starts per module and kind and its ten slowest tests (setup + call +
-teardown). Under pytest-xdist the workers record into their controller's folder, and a module whose tests are
+teardown). Engines are forked from one process that imported vLLM once (``harness.fork_server``; ``HARNESS_FORK_SERVER=0``
+starts each as a fresh process). Under pytest-xdist the workers record into their controller's folder, and a module whose tests are
 spread over workers is checked against what was recorded by the time its teardown runs on each.
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import patchkit
-from harness import starts
+from harness import fork_server, starts
 from patchkit.plan import Runtime
 
 _STARTS_DIR = pytest.StashKey[str]()
@@ -48,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STARTS_DIR] = os.environ[starts.ENV] if _worker(config) else tempfile.mkdtemp(prefix="afd-starts-")
     config.stash[_BUDGETS] = {}
     os.environ[starts.ENV] = config.stash[_STARTS_DIR]
+    os.environ.setdefault(fork_server.ENV, "1")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -96,8 +98,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         return
     rows = starts.read(config.stash[_STARTS_DIR])
     kinds = Counter(row["kind"] for row in rows)
+    forked = sum(row["what"].endswith(" (forked)") for row in rows)
     terminalreporter.write_sep("=", f"vLLM starts: {len(rows)} (" + ", ".join(
-        f"{kinds[kind]} {kind}{'s' if kinds[kind] != 1 else ''}" for kind in starts.KINDS) + ")")
+        f"{kinds[kind]} {kind}{'s' if kinds[kind] != 1 else ''}" for kind in starts.KINDS) + f"; {forked} forked)")
     budgets = config.stash[_BUDGETS]
     for module, counts in sorted(starts.per_module(rows).items()):
         detail = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))

@@ -83,7 +83,7 @@ def test_a_module_over_its_budget_fails_and_the_session_prints_the_counts(tmp_pa
     assert "1 error" in out and "3 passed" in out, out
     assert ("test_over.py started 3 vLLM process trees (2 engine, 1 front end), over its ENGINE_BUDGET of 2"
             in out), out
-    assert "vLLM starts: 6 (4 engines, 1 API server, 1 front end)" in out, out
+    assert "vLLM starts: 6 (4 engines, 1 API server, 1 front end; 0 forked)" in out, out
     assert "    3  test_over.py  (2 engine, 1 front end; budget 2)" in out, out
     assert "    2  test_within.py  (1 API server, 1 engine; budget 2)" in out, out  # the subprocess's start
     assert "    1  test_matrix.py  (1 engine; budget 1)" in out, out
