@@ -217,16 +217,19 @@ def parse(raw: Any) -> AfdConfig:
     return cfg
 
 
+# What JSON Schema lets through, by the keys' declared types (``AfdConfig``'s annotations are strings here)
+_INT_KEYS = tuple(f.name for f in fields(AfdConfig) if f.type == "int")
+_SECONDS_KEYS = tuple(f.name for f in fields(AfdConfig) if f.type == "float")  # every float key is seconds
+
+
 def _check_numbers(values: dict[str, Any]) -> None:
-    """What JSON Schema lets through: ``1.0`` counts as an integer there, and NaN passes a minimum. The keys'
-    types come from the schema (so from ``AfdConfig``); a number key named ``*_s`` counts seconds."""
-    properties = _validator().schema["properties"]
-    for key, value in values.items():
-        kind = properties[key].get("type")
-        if kind == "integer" and (isinstance(value, bool) or not isinstance(value, int)):
-            raise _fail(key, f"{value!r} is not an integer")
-        if kind == "number" and not math.isfinite(value):
-            raise _fail(key, f"{value!r} is not a finite number{' of seconds' if key.endswith('_s') else ''}")
+    """``1.0`` counts as an integer in JSON Schema, and NaN passes a minimum."""
+    for key in _INT_KEYS:
+        if key in values and (isinstance(values[key], bool) or not isinstance(values[key], int)):
+            raise _fail(key, f"{values[key]!r} is not an integer")
+    for key in _SECONDS_KEYS:
+        if key in values and not math.isfinite(values[key]):
+            raise _fail(key, f"{values[key]!r} is not a finite number of seconds")
 
 
 def _check_topology(cfg: AfdConfig) -> None:

@@ -29,6 +29,7 @@ def test_keys_aliases_and_flags_are_the_released_ones() -> None:
     assert [k.name for k in keys()] == [f.name for f in fields(AfdConfig)] == [
         "role", "connector", "host", "port", "num_attention_ranks", "num_ffn_ranks", "rank", "timeout_s",
         "connector_extra_config", "token_file", "allow_unauthenticated", "cpu_cores", "compile_ffn"]
+    assert all(k.name.endswith("_s") for k in keys() if k.kind is float), "parse names every float key seconds"
     assert ALIASES == {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
     assert [f.option for f in cli_flags.flags()] == [
         "--afd-role", "--afd-connector", "--afd-host", "--afd-port", "--afd-num-attention-ranks",
