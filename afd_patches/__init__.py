@@ -17,6 +17,9 @@ _PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))
 __version__ = "0.1.0"  # the distribution's version (pyproject.toml)
 CONFIG_KEY = "afd"  # additional_config[CONFIG_KEY] present <=> AFD is on
 PACKAGES = ("afd_patches",)  # the only code afd's manifests may name (patchkit refuses a plan that names more)
+# Every AFD logger: a child of vLLM's own "vllm" logger, the one vLLM configures (handler, format, level: INFO by
+# default); a logger outside it has no handler in a vLLM process, and its INFO lines are lost.
+LOGGER = "vllm.afd"
 
 
 class AfdConfigError(ValueError):
@@ -56,4 +59,4 @@ def register_afd() -> None:
 
         patchkit.activate("afd", manifest_dir(), plugin_version=__version__, packages=PACKAGES)
     except Exception:
-        logging.getLogger("afd_patches").exception("afd-plugin: the patch plan could not be applied")
+        logging.getLogger(LOGGER).exception("afd-plugin: the patch plan could not be applied")

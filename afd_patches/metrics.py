@@ -59,7 +59,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-logger = logging.getLogger("afd")
+from afd_patches import LOGGER
+
+logger = logging.getLogger(LOGGER)
 
 METRICS_DIR_ENV = "AFD_METRICS_DIR"
 WRITE_INTERVAL_S = 0.5

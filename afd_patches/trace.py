@@ -28,7 +28,9 @@ import threading
 import time
 from typing import Any
 
-logger = logging.getLogger("vllm.afd")
+from afd_patches import LOGGER
+
+logger = logging.getLogger(LOGGER)
 
 DIR_ENV = "AFD_TRACE_DIR"
 MAX_EVENTS_ENV = "AFD_TRACE_MAX_EVENTS"

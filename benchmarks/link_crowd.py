@@ -55,7 +55,7 @@ def _config(role: str, port: int, timeout_s: float) -> Any:
 
 
 class _Lines(logging.Handler):
-    """Keeps the first ``MAX_LOG_LINES`` messages of the ``afd`` logger and counts all of them."""
+    """Keeps the first ``MAX_LOG_LINES`` messages of the AFD logger (``afd_patches.LOGGER``) and counts all of them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,13 +75,14 @@ def _ffn(src: str | None, port: int, out: Any) -> None:
     os.environ["AFD_TOKEN"] = TOKEN
     import torch
 
+    from afd_patches import LOGGER
     from afd_patches.connectors import session
     from afd_patches.connectors.base import ConnectorError
     from afd_patches.connectors.torch_dist import TorchDistConnector
 
     torch.set_num_threads(1)
     handler = _Lines()
-    logging.getLogger("afd").addHandler(handler)  # also keeps logging's last resort off stderr
+    logging.getLogger(LOGGER).addHandler(handler)  # also keeps logging's last resort off stderr
     out.put(("protocol", session.PROTOCOL))
     conn = TorchDistConnector(_config("ffn", port, 60.0))
     error = None

@@ -16,6 +16,7 @@ spread over workers is checked against what was recorded by the time its teardow
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -164,3 +165,12 @@ def manifest_dir(tmp_path: Path) -> Callable[[str], Path]:
         return d
 
     return make
+
+
+@pytest.fixture
+def afd_caplog(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
+    """``caplog`` that sees AFD's records (``afd_patches.LOGGER``, under vLLM's ``vllm`` logger) also where vLLM
+    configured its logging in this process: that sets ``vllm`` not to propagate to the root logger, where
+    ``caplog`` listens. ``propagate`` is restored after the test."""
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    return caplog

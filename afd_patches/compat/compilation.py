@@ -28,10 +28,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from afd_patches import AfdConfigError
+from afd_patches import LOGGER, AfdConfigError
 from afd_patches.models.exchange_op import OP_NAME
 
-logger = logging.getLogger("afd")
+logger = logging.getLogger(LOGGER)
 
 
 class AfdCompilationError(AfdConfigError):

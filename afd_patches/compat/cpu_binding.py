@@ -42,9 +42,9 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from afd_patches import CONFIG_KEY
+from afd_patches import CONFIG_KEY, LOGGER
 
-logger = logging.getLogger("vllm.afd")  # under vLLM's logger: its handler, format and level (INFO)
+logger = logging.getLogger(LOGGER)
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 

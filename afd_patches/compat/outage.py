@@ -55,9 +55,9 @@ from collections.abc import AsyncGenerator, Callable
 from functools import cache
 from typing import Any
 
-from afd_patches import CONFIG_KEY
+from afd_patches import CONFIG_KEY, LOGGER
 
-logger = logging.getLogger("vllm.afd")  # under vLLM's logger: its handler, format and level (INFO)
+logger = logging.getLogger(LOGGER)
 
 STATUS_RPC_S = 30.0  # bound on one afd_group_status question (it waits for the engine core to be between steps)
 _DOWN = "_afd_group_down"  # attribute of an EngineCore: the status of the group while it is down, else absent

@@ -30,9 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from afd_patches import LOGGER
 from afd_patches.connectors.torch_group import StoreTampered
 
-logger = logging.getLogger("afd")
+logger = logging.getLogger(LOGGER)
 
 MIN_INTERVAL_S = 0.05
 MAX_INTERVAL_S = 1.0

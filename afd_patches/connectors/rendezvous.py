@@ -41,10 +41,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from afd_patches import LOGGER
 from afd_patches.connectors.base import ConnectorAuthError, ConnectorError, ConnectorMismatch, ConnectorTimeout
 from afd_patches.connectors.session import POLL_S, Gate, Hello, Joined, Session, SessionError, open_session
 
-logger = logging.getLogger("afd")
+logger = logging.getLogger(LOGGER)
 
 _KINDS: dict[str, type[ConnectorError]] = {
     "mismatch": ConnectorMismatch,

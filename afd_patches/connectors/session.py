@@ -69,11 +69,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from afd_patches import LOGGER
 from afd_patches.connectors import auth
 from afd_patches.connectors.base import ConnectorAuthError, ConnectorError, ConnectorTimeout
 from afd_patches.metrics import METRICS
 
-logger = logging.getLogger("afd")
+logger = logging.getLogger(LOGGER)
 
 PROTOCOL = 4
 MAX_LINE = 16 * 1024

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from afd_patches import topology
+from afd_patches import LOGGER, topology
 from afd_patches.connectors import auth, liveness, rendezvous, schedule, wire
 from afd_patches.connectors.base import (
     Connector,
@@ -95,7 +95,7 @@ if TYPE_CHECKING:
 
     from afd_patches.config import AfdConfig
 
-logger = logging.getLogger("afd")
+logger = logging.getLogger(LOGGER)
 
 _TOKENLESS_WARNED: set[str] = set()  # group addresses this process warned about (once each)
 CLOSE_WAIT_S = 2.0  # how long close() waits for each peer to take its CLOSE header

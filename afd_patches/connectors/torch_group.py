@@ -78,6 +78,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from afd_patches import LOGGER
 from afd_patches.connectors import wire
 from afd_patches.connectors.arrivals import Arrivals
 from afd_patches.connectors.base import ConnectorError
@@ -99,7 +100,7 @@ _DROP_EVERY_PACKET = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0,
 TCP_ESTABLISHED, TCP_LISTEN = 0x01, 0x0A  # states as /proc/net/tcp writes them
 DRAIN_S = 2.0  # how long seal_store waits for the store to take the connections it had queued
 
-logger = logging.getLogger("afd")
+logger = logging.getLogger(LOGGER)
 
 
 def device_identity(device: torch.device) -> str:

@@ -36,7 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-logger = logging.getLogger("afd")
+from afd_patches import LOGGER
+
+logger = logging.getLogger(LOGGER)
 
 FfnCall = Callable[[torch.Tensor], torch.Tensor]
 

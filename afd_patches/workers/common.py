@@ -93,7 +93,7 @@ from typing import Any
 
 import torch
 
-from afd_patches import metrics, trace
+from afd_patches import LOGGER, metrics, trace
 from afd_patches.compat import data_parallel, micro_batches
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import REGISTRY
@@ -103,7 +103,7 @@ from afd_patches.models.common import afd_config_of
 from afd_patches.workers import tp_group
 from afd_patches.workers.regroup import GroupKeeper
 
-logger = logging.getLogger("vllm.afd")  # under vLLM's logger: its handler, format and level (INFO)
+logger = logging.getLogger(LOGGER)
 
 IDLE_TICK_S = 0.02
 REFORM_WAIT_S = 7 * 24 * 3600.0  # a group (the first one too) may take as long as a deploy takes

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from afd_patches import metrics
+from afd_patches import LOGGER, metrics
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.models.common import AfdGroupDown, AfdLink
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from afd_patches.config import AfdConfig
     from afd_patches.connectors.base import Connector
 
-logger = logging.getLogger("vllm.afd")  # under vLLM's logger: its handler, format and level (INFO)
+logger = logging.getLogger(LOGGER)
 
 RETRY_S = 1.0  # pause after a re-formation attempt that failed for another reason than the wait running out
 

@@ -50,11 +50,12 @@ from typing import Any
 
 import torch
 
+from afd_patches import LOGGER
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.models import exchange_op
 from afd_patches.models.common import AfdGroupDown
 
-logger = logging.getLogger("vllm.afd")
+logger = logging.getLogger(LOGGER)
 
 POLL_S = 1.0  # an FFN follower's wait for its leader's next message, between checks of its stop event
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from afd_patches import LOGGER
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import auth, session, wire
 from afd_patches.connectors.base import ConnectorError
@@ -41,12 +42,12 @@ IDENTITY = {"hidden_size": HIDDEN, "dtype": "float32", "max_num_batched_tokens":
 def serving_ffn(cfg: AfdConfig, queue: Any, groups: int, identity: dict[str, Any] | None = None) -> None:
     """Serve ``groups`` groups one after another on the same address, as the FFN role does after any error:
     close the group, wait for the next. Reports each group as it ends (``ffn-group-ended``: calls, how it
-    ended, the ``afd`` log so far), then all of them (``ffn0``)."""
+    ended, the AFD log so far), then all of them (``ffn0``)."""
     os.environ[auth.TOKEN_ENV] = TOKEN
     records = _Records()
     import logging
 
-    logging.getLogger("afd").addHandler(records)
+    logging.getLogger(LOGGER).addHandler(records)
     ended = []
     for _ in range(groups):
         conn, calls = TorchDistConnector(cfg, identity=identity), 0

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from afd_patches import AfdConfigError
+from afd_patches import LOGGER, AfdConfigError
 from afd_patches.compat import cpu_binding
 from afd_patches.config import AfdConfig, parse
 from afd_patches.cores import Cpu, derive, format_core_lists, format_cores, parse_core_lists, physical_cores
@@ -150,29 +150,29 @@ def bind_env(monkeypatch: pytest.MonkeyPatch):
     return allow
 
 
-def test_wrapper_places_each_role_and_restores_the_env(bind_env, caplog: pytest.LogCaptureFixture):
+def test_wrapper_places_each_role_and_restores_the_env(bind_env, afd_caplog: pytest.LogCaptureFixture):
     bind_env(_flat(2))
-    with caplog.at_level(logging.INFO, logger="vllm.afd"):
+    with afd_caplog.at_level(logging.INFO, logger=LOGGER):
         ffn = _build(_config({"role": "ffn"}))
         attention = _build(_config({"role": "attention"}))
     assert ffn.cpu_lists == [[0]] and attention.cpu_lists == [[1]]
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
-    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.afd"]
+    lines = [r.getMessage() for r in afd_caplog.records if r.name == LOGGER]
     assert lines[0].startswith("AFD: ffn rank 0 worker(s) on cores 0 (derived: 2 allowed CPU(s)"), lines
     assert lines[1].startswith("AFD: attention rank 0 worker(s) on cores 1 (derived"), lines
 
 
 def test_precedence_cpu_cores_then_env_then_derived(bind_env, monkeypatch: pytest.MonkeyPatch,
-                                                    caplog: pytest.LogCaptureFixture):
+                                                    afd_caplog: pytest.LogCaptureFixture):
     bind_env(_flat(2))
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    with caplog.at_level(logging.INFO, logger="vllm.afd"):
+    with afd_caplog.at_level(logging.INFO, logger=LOGGER):
         explicit = _build(_config({"role": "attention", "cpu_cores": "0"}))
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # restored
         from_env = _build(_config({"role": "attention"}))
     assert explicit.cpu_lists == [[0]] and not explicit.skip_setup
     assert from_env.skip_setup and from_env.cpu_lists == []
-    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.afd"]
+    lines = [r.getMessage() for r in afd_caplog.records if r.name == LOGGER]
     assert lines == ["AFD: attention rank 0 worker(s) on cores 0 (cpu_cores of the AFD config)",
                      "AFD: attention rank 0 worker(s) not bound (nobind) (VLLM_CPU_OMP_THREADS_BIND=nobind)"]
 
@@ -199,11 +199,11 @@ def test_engine_without_afd_is_vllms_own(bind_env, monkeypatch: pytest.MonkeyPat
     assert plain.cpu_lists == [[1]]  # what vLLM parsed from the variable, nothing of AFD's
 
 
-def test_a_data_parallel_engine_reports_its_dp_rank(bind_env, caplog: pytest.LogCaptureFixture):
+def test_a_data_parallel_engine_reports_its_dp_rank(bind_env, afd_caplog: pytest.LogCaptureFixture):
     bind_env(_flat(2))
-    with caplog.at_level(logging.INFO, logger="vllm.afd"):
+    with afd_caplog.at_level(logging.INFO, logger=LOGGER):
         _build(_config({"role": "attention", "num_attention_ranks": 2}, dp=2, dp_index=1))
-    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.afd"]
+    lines = [r.getMessage() for r in afd_caplog.records if r.name == LOGGER]
     assert lines[0].startswith("AFD: attention rank 1 worker(s)") and "the engine is data parallel" in lines[0], lines
 
 

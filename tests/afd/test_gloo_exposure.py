@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from afd_patches import LOGGER
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import auth, torch_group
 from afd_patches.connectors.base import ConnectorError
@@ -35,14 +36,14 @@ MIB = 1 << 20
 
 
 def holding_rank(cfg: AfdConfig, queue: Any, release: Any, slow_s: float = 0.0) -> None:
-    """Form the group and report (pid, the ``afd`` log); after ``release`` run one exchange and close.
+    """Form the group and report (pid, the AFD log); after ``release`` run one exchange and close.
 
     ``slow_s``: wait that long between the verdict and opening the store (reported as ``<name>-verdict``),
     as a rank on a loaded machine may: the store is up and the group not yet formed."""
     torch.set_num_threads(1)
     os.environ[auth.TOKEN_ENV] = TOKEN
     records = _Records()
-    logging.getLogger("afd").addHandler(records)
+    logging.getLogger(LOGGER).addHandler(records)
     name = f"{cfg.role}{cfg.rank}"
     if slow_s:
         opened = torch_group.group_store

@@ -190,7 +190,7 @@ def test_a_store_record_and_a_heartbeat_raise_store_tampered_only(raw: bytes) ->
 
 
 def test_a_forged_closed_marker_in_the_store_does_not_hide_a_frozen_peer(
-        caplog: pytest.LogCaptureFixture) -> None:
+        afd_caplog: pytest.LogCaptureFixture) -> None:
     """Records written into the group's store without its key ("closed", a fresh count: what a stranger could
     write before ``torch_group.seal_store`` shut it out) count as no beat: the frozen peer is still lost at
     ``timeout_s``, and the forgery is logged once."""
@@ -206,7 +206,7 @@ def test_a_forged_closed_marker_in_the_store_does_not_hide_a_frozen_peer(
         time.sleep(0.05)
     assert [p for p, _ in lost] == [1] and "no heartbeat" in lost[0][1], lost
     assert 0.3 <= time.monotonic() - t0 < 1.0
-    forged = [r for r in caplog.records if "written without the group's key" in r.getMessage()]
+    forged = [r for r in afd_caplog.records if "written without the group's key" in r.getMessage()]
     assert len(forged) == 1, forged
 
 
@@ -313,13 +313,13 @@ def test_failed_proofs_back_off_per_address() -> None:
 
 
 # ------------------------------------------------------------------ 8. a tokenless group says so
-def test_a_tokenless_group_warns_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_tokenless_group_warns_once(monkeypatch: pytest.MonkeyPatch, afd_caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
-    caplog.set_level(logging.WARNING)
+    afd_caplog.set_level(logging.WARNING)
     port = free_port()
     for _ in range(3):
         TorchDistConnector(make_config("ffn", 0, port))
-    warned = [r.getMessage() for r in caplog.records if "no token" in r.getMessage()]
+    warned = [r.getMessage() for r in afd_caplog.records if "no token" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "any local user" in warned[0] and f"127.0.0.1:{port}" in warned[0], warned
 

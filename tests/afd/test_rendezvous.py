@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from afd_patches import LOGGER
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import auth, session, wire
 from afd_patches.connectors.base import ConnectorError
@@ -55,12 +56,12 @@ class _Records(logging.Handler):
 
 
 def logged_ffn_worker(cfg: AfdConfig, queue: Any, token: str | None, identity: dict[str, Any] | None = None) -> None:
-    """Serve until the attention side closes; report calls, the error and every ``afd`` log line."""
+    """Serve until the attention side closes; report calls, the error and every AFD log line."""
     torch.set_num_threads(1)
     if token is not None:
         os.environ[auth.TOKEN_ENV] = token
     records = _Records()
-    logging.getLogger("afd").addHandler(records)
+    logging.getLogger(LOGGER).addHandler(records)
     calls, error, message = _serve_one_group(TorchDistConnector(cfg, identity=identity))
     queue.put(("ffn0", {"calls": calls, "error": error, "message": message, "log": records.lines}))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -196,7 +197,8 @@ def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) ->
     """At vLLM's default compilation (CPU: dynamo + inductor) on both sides: the attention model is
     compiled around the ``afd::exchange`` operator and the FFN role, asked to (``compile_ffn``; its default
     is eager, see the micro-batch test), compiles its per-layer modules;
-    greedy tokens and top-5 logprobs equal plain vLLM's, compiled the same way. Llama also starts the
+    greedy tokens and top-5 logprobs equal plain vLLM's, compiled the same way, and the FFN role's log has
+    AFD's INFO line on that compile in vLLM's own format (AFD logs under vLLM's logger). Llama also starts the
     pair a second time on the same configuration: neither role compiles a graph with inductor again
     (no new FX-graph cache entry under vLLM's compile cache, for the attention model's AOT folder and
     the FFN role's ``afd_ffn`` folder alike), and both are exact again. (vLLM 0.32 on CPU does not
@@ -211,6 +213,10 @@ def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) ->
     worst = _assert_same_outputs(plain, attn)
     _check_roles(ffn, [attn])
     assert ffn["stats"][0]["ffn_compile_s"] > 0  # the FFN role compiled its modules
+    # ... and said so at INFO through vLLM's handler, in vLLM's format (AFD logs under vLLM's "vllm" logger)
+    ffn_log = (workdir / f"log-{specs[0]['name']}.txt").read_text(errors="replace")
+    assert re.search(r"\bINFO \d\d-\d\d [\d:]{8} \[ffn_compile\.py:\d+\] AFD FFN role: \d+ layer modules compiled",
+                     ffn_log), ffn_log[-3000:]
     print(f"{family} 1A1F compiled: tokens equal, max |dlogprob| {worst:.2e}; plain {plain['seconds']}, "
           f"attention {attn['seconds']}, ffn {ffn['seconds']} (FFN compile {ffn['stats'][0]['ffn_compile_s']:.1f} s)")
     if family != "llama":
