@@ -102,13 +102,8 @@ def start(spec: dict[str, Any], workdir: Path) -> Engine:
     extra = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **runners[spec.get("runner")], **spec.get("env", {})}
     if not spec.get("multiprocessing", False):
         extra.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    env, what = vllm_env(**extra), f"{spec['mode']} {spec['name']}"
-    if fork_server.enabled():
-        base = fork_server.server_env(vllm_env(VLLM_CPU_OMP_THREADS_BIND="nobind"))
-        if fork_server.forkable(env, base):
-            starts.record("engine", f"{what} (forked)")
-            return fork_server.server(base).spawn([str(spec_path)], log, env), log, Path(spec["out"])
-    proc = starts.spawn("engine", [sys.executable, "-m", "harness.engine", str(spec_path)], log, env, what=what)
+    proc = starts.spawn("engine", [sys.executable, "-m", "harness.engine", str(spec_path)], log, vllm_env(**extra),
+                        what=f"{spec['mode']} {spec['name']}")
     return proc, log, Path(spec["out"])
 
 

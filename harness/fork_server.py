@@ -1,26 +1,32 @@
-"""A fork server for the tests' engines: vLLM is imported once, and each engine is a fresh fork of that process.
+"""A fork server for the tests' vLLM processes: vLLM is imported once, and each engine is a fresh fork of that process.
 
-Why: an engine process spends about 12.5 s of its ~20 s of CPU importing ``vllm`` (``from vllm import LLM``,
-measured on this project's 2-core host), and the suite starts well over a hundred of them. Here one server
-process imports what ``python -m harness.engine`` imports before it builds its ``LLM`` (vLLM, ``harness.engine``)
-and then forks one child per engine; the child becomes that engine (its own session, its log on stdout/stderr,
-its environment, ``sys.argv``) and runs ``harness.engine`` as ``__main__``, exactly as ``python -m`` would.
+Why: an engine process spends about 12.5 s of its ~20 s of CPU importing vLLM (``from vllm import LLM``, measured on
+this project's 2-core host), and the suite starts well over a hundred of them. A server process imports what
+``python -m harness.engine`` imports before it builds its ``LLM`` (vLLM, ``harness.engine``) and then forks one child
+per start; the child becomes that process (its own session, its log on stdout and stderr, its working directory,
+environment and ``sys.argv``) and runs its module as ``__main__``, as ``python -m`` would (``MODULES``: the engine
+driver, the OpenAI API server, ``vllm serve``, the config probe). ``harness.starts.spawn`` goes through
+``maybe_spawn``.
 
-The contract: a forked engine is in the state a fresh ``python -m harness.engine`` process is in when it reaches
-``LLM(...)``. Nothing of AFD or patchkit is loaded before the fork (the server refuses to serve if importing vLLM
-loaded a plugin), vLLM's environment cache is off (its variables are read when used), and the server never
-starts a thread, so the fork copies one thread. The plugin's hook then runs in the child, as vLLM calls it.
+The contract: a forked child is in the state a fresh ``python -m harness.engine`` process is in before vLLM loads
+its plugins. Nothing of AFD or patchkit is imported before the fork (the server refuses to serve if importing vLLM
+loaded a plugin), vLLM's environment cache is off (its variables are read when used), and the server starts no
+thread, so the fork copies one. The plugin's hook then runs in the child, where vLLM calls it.
 
 Limits, and how they are kept:
-- A variable read while modules are imported would keep the server's value in the child. So a child's
-  environment may differ from the server's only in ``RUNTIME_ENV`` (variables vLLM, patchkit and AFD read when
-  they are used; checked against vLLM's source: none of them is read at module level). ``forkable(env)`` says
-  whether an environment qualifies; ``harness.engine.start`` starts every other engine (Model Runner V2 under
-  Triton's interpreter, a drifted ``PYTHONPATH``) as a fresh process.
+- A variable read while a module is imported keeps the server's value in the child. So a server serves only
+  children whose environment equals its own but for variables read when used (``read_when_used``: AFD's,
+  patchkit's, which the server never imports, two of the harness's, and a few of vLLM's, read through ``vllm.envs``
+  when used; checked in vLLM's source). Any other difference (a drifted ``PYTHONPATH``, Triton's interpreter for
+  Model Runner V2) gets its own server, started for that environment (at most ``MAX_SERVERS`` live).
 - The server is the child's parent, not the test: exit codes come back over the server's socket
-  (``ForkedProcess.poll``/``wait``, as ``subprocess.Popen`` has them: a signal is ``-signum``).
-- Used only where ``ENV`` is ``1`` (the test session sets it); the demo and the benchmarks start every engine
-  as a fresh process, as users run vLLM.
+  (``ForkedProcess.poll``/``wait``, as ``subprocess.Popen`` reports them: a signal is ``-signum``).
+- A forked child differs from a fresh ``python -m`` of its module in what it imported beyond that module's own
+  imports (the engine driver's: ``harness.tiny_model``, transformers), never in what vLLM or the plugin did.
+- Only the process the test starts is forked: what vLLM starts in turn (an engine core or worker through
+  ``multiprocessing``, its model-inspection subprocess) starts as vLLM starts it, fresh where vLLM spawns.
+- Used only where ``ENV`` is ``1`` (the test session sets it; ``HARNESS_FORK_SERVER=0`` starts fresh processes);
+  the demo and the benchmarks start every process fresh, as users run vLLM.
 
 Run as ``python -m harness.fork_server FD`` (``cwd`` the repository root): FD is one end of a socket pair; requests
 and replies are JSON lines on it. The server exits when the other end closes.
@@ -28,6 +34,7 @@ and replies are JSON lines on it. The server exits when the other end closes.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -43,38 +50,41 @@ from typing import Any
 from harness.env import REPO
 
 ENV = "HARNESS_FORK_SERVER"
-# Variables a forked engine may set differently from the server: read when used, never while importing.
-RUNTIME_ENV = frozenset({
-    "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS", "PATCHKIT_REPORT_DIR",
-    "PATCHKIT_CACHE_DIR", "AFD_TOKEN", "PYTEST_CURRENT_TEST",
-})
-MODULE = "harness.engine"  # what the server preloads and its children run as __main__
+# Variables a forked child may set differently from its server: none of the preloaded modules (vLLM, torch,
+# transformers, harness) reads them while importing; vLLM reads its own through ``vllm.envs`` when used.
+RUNTIME_NAMES = frozenset({"VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PLUGINS",
+                           "PYTEST_CURRENT_TEST", "HARNESS_STARTS_DIR", ENV})
+RUNTIME_PREFIXES = ("AFD_", "PATCHKIT_")  # read by afd_patches and patchkit, which the server never imports
+MODULES = frozenset({"harness.engine", "harness.vllm_serve", "harness.config_probe",  # what a child may run
+                     "vllm.entrypoints.openai.api_server"})
+PRELOAD = "harness.engine"
+MAX_SERVERS = 3  # one per distinct environment (less RUNTIME_NAMES); the least recently used one ends first
 READY_TIMEOUT_S = 300.0
 
 
 def enabled() -> bool:
-    """Whether engines are forked from the server in this process (``ENV`` is ``1``)."""
+    """Whether ``spawn`` forks in this process (``ENV`` is ``1``; the test session sets it)."""
     return os.environ.get(ENV) == "1"
 
 
+def read_when_used(name: str) -> bool:
+    """Whether the variable ``name`` may differ between a server and its child (``RUNTIME_NAMES``, prefixes)."""
+    return name in RUNTIME_NAMES or name.startswith(RUNTIME_PREFIXES)
+
+
 def server_env(env: dict[str, str]) -> dict[str, str]:
-    """The environment a server for children with ``env`` starts with: ``env`` without ``RUNTIME_ENV``."""
-    return {key: value for key, value in env.items() if key not in RUNTIME_ENV}
-
-
-def forkable(env: dict[str, str], base: dict[str, str]) -> bool:
-    """Whether a child with environment ``env`` may be forked from a server started with ``base``: the two differ
-    only in ``RUNTIME_ENV``."""
-    return all(env.get(key) == base.get(key) for key in (set(env) | set(base)) - RUNTIME_ENV)
+    """The environment of the server that forks a child with ``env``: ``env`` less what is read when used."""
+    return {key: value for key, value in env.items() if not read_when_used(key)}
 
 
 class ForkedProcess:
     """A forked engine, as much of ``subprocess.Popen`` as the tests use: ``pid``, ``returncode``, ``poll``,
     ``wait``. Its exit code arrives from the server."""
 
-    def __init__(self, server: Server, pid: int) -> None:
+    def __init__(self, server: Server, pid: int, module: str) -> None:
         self._server = server
         self.pid = pid
+        self.module = module
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -87,14 +97,14 @@ class ForkedProcess:
         while self.poll() is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(f"forked {MODULE} (pid {self.pid})", timeout or 0.0)
+                raise subprocess.TimeoutExpired(f"forked {self.module} (pid {self.pid})", timeout or 0.0)
             self._server.wait_for_exit(min(left, 0.5) if left is not None else 0.5)
         assert self.returncode is not None
         return self.returncode
 
 
 class Server:
-    """The test side of one fork server: started on the first ``spawn``, ended when the test process exits."""
+    """The test side of one fork server process (environment ``base_env``): ``spawn`` forks a child of it."""
 
     def __init__(self, base_env: dict[str, str]) -> None:
         self.base_env = base_env
@@ -166,17 +176,18 @@ class Server:
         with self._changed:
             self._changed.wait(timeout)
 
-    def spawn(self, argv: list[str], log: Path, env: dict[str, str]) -> ForkedProcess:
-        """Fork a child that runs ``MODULE`` as ``__main__`` with ``sys.argv[1:] = argv``, environment ``env``, in
+    def spawn(self, module: str, argv: list[str], log: Path, env: dict[str, str]) -> ForkedProcess:
+        """Fork a child that runs ``module`` as ``__main__`` with ``sys.argv[1:] = argv``, environment ``env``, in
         its own session, stdout and stderr into ``log`` (created here, empty)."""
+        assert module in MODULES and server_env(env) == self.base_env, (module, "a child of another server")
         log.write_bytes(b"")
-        request = {"argv": argv, "log": str(log), "env": env, "cwd": str(REPO)}
+        request = {"module": module, "argv": argv, "log": str(log), "env": env, "cwd": str(REPO)}
         with self._send_lock:
             self._sock.sendall(json.dumps(request).encode() + b"\n")
             reply = self._reply("started", 60.0)
         if reply is None:
-            raise RuntimeError(f"fork server did not start {argv}; its log:\n{self._tail()}")
-        return ForkedProcess(self, reply["started"])
+            raise RuntimeError(f"fork server did not start {module} {argv}; its log:\n{self._tail()}")
+        return ForkedProcess(self, reply["started"], module)
 
     def close(self) -> None:
         """End the server (it exits once its socket closes; the reader's file object holds the socket open, hence
@@ -192,22 +203,27 @@ class Server:
             self._proc.kill()
 
 
-_SERVER: Server | None = None
-_SERVER_LOCK = threading.Lock()
+_SERVERS: dict[frozenset[tuple[str, str]], Server] = {}  # by environment, least recently used first
+_LOCK = threading.Lock()
 
 
-def server(base_env: dict[str, str]) -> Server:
-    """This process's fork server for ``base_env`` (started on first use; a new one if the last one died)."""
-    global _SERVER
-    with _SERVER_LOCK:
-        if _SERVER is None or not _SERVER.alive or _SERVER.base_env != base_env:
-            if _SERVER is not None:
-                _SERVER.close()
-            _SERVER = Server(base_env)
-            import atexit
-
-            atexit.register(_SERVER.close)
-        return _SERVER
+def maybe_spawn(args: list[str], log: Path, env: dict[str, str]) -> ForkedProcess | None:
+    """``args`` forked from the server for ``env`` when this process forks (``enabled``) and ``args`` is
+    ``[sys.executable, "-m", M, ...]`` with ``M`` in ``MODULES``; else None (the caller starts a fresh process).
+    A server is started on first use for each environment (less what is read when used)."""
+    if not enabled() or len(args) < 3 or args[:2] != [sys.executable, "-m"] or args[2] not in MODULES:
+        return None
+    base = server_env(env)
+    key = frozenset(base.items())
+    with _LOCK:
+        found = _SERVERS.pop(key, None)
+        if found is None or not found.alive:
+            found = Server(base)
+            atexit.register(found.close)
+        _SERVERS[key] = found
+        while len(_SERVERS) > MAX_SERVERS:
+            _SERVERS.pop(next(iter(_SERVERS))).close()
+    return found.spawn(args[2], args[3:], log, env)
 
 
 # --- the server process --------------------------------------------------------------------------------------
@@ -217,7 +233,7 @@ def _preload() -> None:
     """Import what ``python -m harness.engine`` imports before ``LLM(...)``; refuse if that loaded a plugin."""
     import importlib
 
-    importlib.import_module(MODULE)
+    importlib.import_module(PRELOAD)
     import vllm.envs
     from vllm import LLM  # noqa: F401  (what harness.engine.main imports first)
 
@@ -283,7 +299,7 @@ def _become(request: dict[str, Any]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = [MODULE, *request["argv"]]
+    sys.argv = [request["module"], *request["argv"]]
 
 
 def main(fd: int) -> None:
@@ -293,7 +309,7 @@ def main(fd: int) -> None:
     if request is None:
         return
     _become(request)
-    runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
+from harness import fork_server
 from harness.env import REPO
 
 ENV = "HARNESS_STARTS_DIR"
@@ -64,11 +65,15 @@ def per_module(starts: list[dict[str, str]]) -> dict[str, Counter[str]]:
     return out
 
 
-def spawn(kind: Kind, args: list[str], log: Path, env: dict[str, str], what: str = "") -> subprocess.Popen[bytes]:
+def spawn(kind: Kind, args: list[str], log: Path, env: dict[str, str],
+          what: str = "") -> subprocess.Popen[bytes] | fork_server.ForkedProcess:
     """Start ``args`` (a vLLM process tree) in its own session, ``cwd`` the repository root, stdout and stderr
-    into ``log``; recorded as one start of ``kind`` (``what``, default the log's name). The caller ends it
-    (e.g. ``os.killpg``)."""
-    record(kind, what or log.name)
+    into ``log``; recorded as one start of ``kind`` (``what``, default the log's name; `` (forked)`` added when
+    it was forked: ``harness.fork_server``). The caller ends it (e.g. ``os.killpg``)."""
+    forked = fork_server.maybe_spawn(args, log, env)
+    record(kind, (what or log.name) + (" (forked)" if forked else ""))
+    if forked is not None:
+        return forked
     with log.open("wb") as fh:
         return subprocess.Popen(args, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=REPO)

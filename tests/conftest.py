@@ -6,12 +6,12 @@ usually ``tests.support.manifests.header(...)`` plus entries; ``runtime`` says "
 on cpu" without importing vLLM. Code shared beyond fixtures lives in ``tests/support/``.
 
 The session also counts the vLLM process trees it starts (``harness.starts``: engines, API servers, front
-ends): each test module may start at most its ``ENGINE_BUDGET`` (a module-level int; none declared: 0; with
-its ``matrix`` tests selected, its ``MATRIX_ENGINE_BUDGET``), or its last test errors at teardown, naming the
-count. At its end the session prints the starts per module and kind and its ten slowest tests (setup + call +
-teardown). Engines are forked from one process that imported vLLM once (``harness.fork_server``; ``HARNESS_FORK_SERVER=0``
-starts each as a fresh process). Under pytest-xdist the workers record into their controller's folder, and a module whose tests are
-spread over workers is checked against what was recorded by the time its teardown runs on each.
+ends): each test module may start at most its ``ENGINE_BUDGET`` (a module-level int; none declared: 0), or its
+last test errors at teardown, naming the count. At its end the session prints the starts per module and kind and
+its ten slowest tests (setup + call + teardown). vLLM processes are forked from a server that imported vLLM once
+(``harness.fork_server``; ``HARNESS_FORK_SERVER=0`` starts each fresh). Under pytest-xdist the workers record into
+their controller's folder, and a module whose tests are spread over workers is checked against what was recorded
+by the time its teardown runs on each.
 """
 
 from __future__ import annotations
@@ -64,32 +64,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ[starts.ENV] = previous
 
 
-def _budget(request: pytest.FixtureRequest) -> tuple[int, str]:
-    """The module's budget for this session's selection, and the name of the constant it came from.
-
-    ``ENGINE_BUDGET`` bounds the default selection (``-m 'not matrix'``); a module with ``matrix`` tests also
-    declares ``MATRIX_ENGINE_BUDGET``, the bound of all its tests, which applies once any of its ``matrix``
-    tests is selected. Undeclared: 0."""
-    module = request.node
-    selected_matrix = any(item.get_closest_marker("matrix") for item in request.session.items
-                          if item.nodeid.startswith(f"{module.nodeid}::"))
-    name = "MATRIX_ENGINE_BUDGET" if selected_matrix else "ENGINE_BUDGET"
-    return int(getattr(request.module, name, 0)), name
-
-
 @pytest.fixture(scope="module", autouse=True)
 def engine_budget(request: pytest.FixtureRequest) -> Iterator[int]:
-    """The module's budget of vLLM starts (``_budget``); after its last test, fails when the module started
-    more vLLM process trees (every kind of ``harness.starts``, made for any of its tests) than that."""
+    """The module's budget of vLLM starts (its ``ENGINE_BUDGET``; none declared: 0); after its last test, fails when
+    the module started more vLLM process trees (every kind of ``harness.starts``, made for any of its tests) than
+    that."""
     module = request.node.nodeid
-    budget, name = _budget(request)
+    budget = int(getattr(request.module, "ENGINE_BUDGET", 0))
     request.config.stash[_BUDGETS][module] = budget
     yield budget
     counts = starts.per_module(starts.read(request.config.stash[_STARTS_DIR])).get(module, Counter())
     if sum(counts.values()) > budget:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
         pytest.fail(f"{module} started {sum(counts.values())} vLLM process trees ({kinds}), over its "
-                    f"{name} of {budget}: share an engine (a module- or session-scoped fixture) before "
+                    f"ENGINE_BUDGET of {budget}: share an engine (a module- or session-scoped fixture) before "
                     "raising the budget", pytrace=False)
 
 

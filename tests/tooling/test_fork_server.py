@@ -1,26 +1,22 @@
-"""Which engines the fork server may start (``harness.fork_server.forkable``): only those whose environment differs
-from the server's in variables read when used. The forked engines themselves are checked by every real-vLLM test."""
+"""Which environments one fork server serves (``harness.fork_server``): its own, but for variables read when used.
+The forked processes themselves are checked by every real-vLLM test."""
 
 from __future__ import annotations
 
-from harness.fork_server import RUNTIME_ENV, forkable, server_env
+from harness import triton_cpu
+from harness.fork_server import read_when_used, server_env
 
 BASE = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "VLLM_CACHE_ROOT": "/c"}
 
 
-def test_a_runtime_variable_may_differ() -> None:
-    assert "PATCHKIT_REPORT_DIR" in RUNTIME_ENV
-    assert forkable({**BASE, "PATCHKIT_REPORT_DIR": "/r", "VLLM_PLUGINS": ""}, BASE)
-
-
-def test_a_variable_read_at_import_may_not() -> None:
-    assert not forkable({**BASE, "PYTHONPATH": "/drifted"}, BASE)
-    assert not forkable({**BASE, "TRITON_INTERPRET": "1"}, BASE)
-    assert not forkable({**BASE, "OMP_NUM_THREADS": "2"}, BASE)
-    assert not forkable({k: v for k, v in BASE.items() if k != "PATH"}, BASE)
-
-
-def test_the_server_starts_without_the_runtime_variables() -> None:
-    env = {**BASE, "PYTEST_CURRENT_TEST": "t.py::x (call)", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+def test_variables_read_when_used_do_not_change_the_server() -> None:
+    env = {**BASE, "PYTEST_CURRENT_TEST": "t.py::x (call)", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PATCHKIT_REPORT_DIR": "/r", "AFD_TOKEN": "t", "VLLM_PLUGINS": ""}
     assert server_env(env) == BASE
-    assert forkable(env, server_env(env))
+
+
+def test_variables_read_at_import_get_their_own_server() -> None:
+    for name, value in (("PYTHONPATH", "/drifted"), ("TRITON_INTERPRET", "1"), ("OMP_NUM_THREADS", "2"),
+                        ("VLLM_USE_V2_MODEL_RUNNER", "1"), (triton_cpu.ENV, "1"), ("PYTHONUNBUFFERED", "1")):
+        assert not read_when_used(name)
+        assert server_env({**BASE, name: value}) != BASE
