@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import fork_server, starts, triton_cpu
+from harness import fork_server, plain_cache, starts, triton_cpu
 from harness.env import vllm_env
 from harness.tiny_model import FAMILIES
 
@@ -135,12 +135,17 @@ def group_members(pgid: int) -> list[str]:
 
 def run_engines(specs: list[dict[str, Any]], workdir: Path, timeout_s: float = ENGINE_TIMEOUT_S,
                 stagger_s: float = 0.0) -> list[dict[str, Any]]:
-    """Run one engine process per spec (in order, ``stagger_s`` apart); all must finish in ``timeout_s``."""
+    """Run one engine process per spec (in order, ``stagger_s`` apart); all must finish in ``timeout_s``. Where
+    ``harness.plain_cache`` is on, a plain spec's stored result is taken instead of a run (``"cached": true``) and
+    a plain run's result is stored."""
+    cached = [plain_cache.load(spec) if spec["mode"] == "plain" and plain_cache.enabled() else None
+              for spec in specs]
+    to_run = [spec for spec, hit in zip(specs, cached, strict=True) if hit is None]
     procs: list[Engine] = []
     try:
-        for i, spec in enumerate(specs):
+        for i, spec in enumerate(to_run):
             procs.append(start(spec, workdir))
-            if stagger_s and i + 1 < len(specs):
+            if stagger_s and i + 1 < len(to_run):
                 time.sleep(stagger_s)
         deadline = time.monotonic() + timeout_s
         for proc, log, _ in procs:
@@ -150,9 +155,14 @@ def run_engines(specs: list[dict[str, Any]], workdir: Path, timeout_s: float = E
                 raise EngineFailed(f"engine timed out after {timeout_s}s; log tail:\n{tail(log)}") from None
             if proc.returncode != 0:
                 raise EngineFailed(f"engine exited {proc.returncode}; log tail:\n{tail(log)}")
-        return [json.loads(out.read_text()) for _, _, out in procs]
+        ran = iter(json.loads(out.read_text()) for _, _, out in procs)
+        results = [hit if hit is not None else next(ran) for hit in cached]
     finally:
         kill(proc for proc, _, _ in procs)
+    for spec, hit, result in zip(specs, cached, results, strict=True):
+        if spec["mode"] == "plain" and hit is None and plain_cache.enabled():
+            plain_cache.store(spec, result)
+    return results
 
 
 def generate(model: Path, workdir: Path, *, name: str = "plain", prompts: list[list[int]] | None = None,

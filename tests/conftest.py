@@ -9,9 +9,10 @@ The session also counts the vLLM process trees it starts (``harness.starts``: en
 ends): each test module may start at most its ``ENGINE_BUDGET`` (a module-level int; none declared: 0), or its
 last test errors at teardown, naming the count. At its end the session prints the starts per module and kind and
 its ten slowest tests (setup + call + teardown). vLLM processes are forked from a server that imported vLLM once
-(``harness.fork_server``; ``HARNESS_FORK_SERVER=0`` starts each fresh). Under pytest-xdist the workers record into
-their controller's folder, and a module whose tests are spread over workers is checked against what was recorded
-by the time its teardown runs on each.
+(``harness.fork_server``; ``HARNESS_FORK_SERVER=0`` starts each fresh), and plain vLLM's results are cached by
+content under ``.cache/plain`` (``harness.plain_cache``; ``HARNESS_PLAIN_CACHE=0`` runs every plain engine). Under
+pytest-xdist the workers record into their controller's folder, and a module whose tests are spread over workers
+is checked against what was recorded by the time its teardown runs on each.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import pytest
 
 import patchkit
-from harness import fork_server, starts
+from harness import fork_server, plain_cache, starts
 from patchkit.plan import Runtime
 
 _STARTS_DIR = pytest.StashKey[str]()
@@ -51,6 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_BUDGETS] = {}
     os.environ[starts.ENV] = config.stash[_STARTS_DIR]
     os.environ.setdefault(fork_server.ENV, "1")
+    os.environ.setdefault(plain_cache.ENV, "1")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
