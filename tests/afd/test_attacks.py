@@ -66,12 +66,14 @@ def serving_ffn(cfg: AfdConfig, queue: Any, groups: int, identity: dict[str, Any
 
 
 # ------------------------------------------------------------------ 1. relay through a rewritten store record
-def _store_rewriter(host: str, port: int, until: float, relay: FaultProxy, seen: dict[str, int]) -> None:
-    """A stranger's loop: whenever the group's port takes a ``TCPStore`` client, point every data-address
-    record it finds at ``relay`` (what worked against the store-based rendezvous)."""
+def _store_rewriter(host: str, port: int, until: float, relay: FaultProxy, seen: dict[str, int],
+                    done: threading.Event) -> None:
+    """A stranger's loop until ``until`` or ``done`` (both ranks reported: nothing is left to redirect):
+    whenever the group's port takes a ``TCPStore`` client, point every data-address record it finds at
+    ``relay`` (what worked against the store-based rendezvous)."""
     from torch.distributed import TCPStore
 
-    while time.monotonic() < until:
+    while time.monotonic() < until and not done.is_set():
         seen["attempts"] += 1
         try:
             store = TCPStore(host, port, None, False, timedelta(seconds=0.5), wait_for_workers=False)
@@ -98,14 +100,16 @@ def test_relay_through_a_rewritten_store_record_is_impossible() -> None:
     port = free_port()
     queue = _CTX.Queue()
     seen = {"attempts": 0, "store_reached": 0, "rewrites": 0}
+    done = threading.Event()
     with FaultProxy(("127.0.0.5", 0), (FFN_HOST, port)) as relay:
         ffn = start(serving_ffn, host_config("ffn", port), queue, 1)
         afd_probe.wait_listening(FFN_HOST, port, 30)
-        attacker = threading.Thread(target=_store_rewriter, args=(FFN_HOST, port, time.monotonic() + 8, relay, seen),
-                                    daemon=True)
+        attacker = threading.Thread(target=_store_rewriter, daemon=True,
+                                    args=(FFN_HOST, port, time.monotonic() + 8, relay, seen, done))
         attacker.start()
         attn = start(token_attention_worker, host_config("attention", port), TOKEN, [3, 5, 1100, 2], queue)
         got = collect(queue, {"attention0", "ffn0"}, 60)
+        done.set()
         attacker.join(15)
         _join_all([ffn, attn], 10)
         through = dict(relay.bytes_through)
@@ -115,8 +119,9 @@ def test_relay_through_a_rewritten_store_record_is_impossible() -> None:
 
 
 # ------------------------------------------------------------------ 2. admission strangers cannot exhaust
-def _park(host: str, port: int, source: str, until: float, held: list[socket.socket]) -> None:
-    """Open idle connections from ``source``: 80 at once, then 20 a second until ``until``."""
+def _park(host: str, port: int, source: str, until: float, held: list[socket.socket], done: threading.Event) -> None:
+    """Open idle connections from ``source``: 80 at once, then 20 a second until ``until`` or ``done`` (the
+    real ranks reported: the group they had to form under the load has come and gone)."""
     def one() -> None:
         try:
             held.append(socket.create_connection((host, port), timeout=2, source_address=(source, 0)))
@@ -125,7 +130,7 @@ def _park(host: str, port: int, source: str, until: float, held: list[socket.soc
 
     for _ in range(80):
         one()
-    while time.monotonic() < until:
+    while time.monotonic() < until and not done.is_set():
         one()
         time.sleep(0.05)
 
@@ -137,13 +142,16 @@ def test_idle_connections_do_not_lock_a_peer_out(source: str) -> None:
     port = free_port()
     queue = _CTX.Queue()
     held: list[socket.socket] = []
+    done = threading.Event()
     ffn = start(serving_ffn, host_config("ffn", port, timeout_s=60.0), queue, 1)
     afd_probe.wait_listening(FFN_HOST, port, 30)
-    parker = threading.Thread(target=_park, args=(FFN_HOST, port, source, time.monotonic() + 10, held), daemon=True)
+    parker = threading.Thread(target=_park, daemon=True,
+                              args=(FFN_HOST, port, source, time.monotonic() + 10, held, done))
     parker.start()
     time.sleep(3)  # the gate is full and evicting
     attn = start(token_attention_worker, host_config("attention", port), TOKEN, [3, 0, 5], queue)
     got = collect(queue, {"attention0", "attention0-elapsed", "ffn0"}, 60)
+    done.set()
     parker.join(15)
     for s in held:
         s.close()

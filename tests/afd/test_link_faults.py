@@ -256,14 +256,17 @@ def test_a_real_rank_joins_while_240_addresses_connect_at_full_rate() -> None:
     queue = _CTX.Queue()
     ffn_proc = start(logged_ffn_worker, host_config("ffn", port, timeout_s=60.0), queue, TOKEN)
     afd_probe.wait_listening(FFN_HOST, port, 30)
-    until, made = time.monotonic() + 8.0, []
-    threads = [threading.Thread(target=flood, args=(FFN_HOST, port, CROWD[i::4], until, made, session.PROTOCOL),
-                                daemon=True) for i in range(4)]
+    until, made, done = time.monotonic() + 8.0, [], threading.Event()
+    # the crowd stops at ``until`` or once both ranks reported (the FFN's log, counted below, ends there)
+    threads = [threading.Thread(target=flood, daemon=True,
+                                args=(FFN_HOST, port, CROWD[i::4], until, made, session.PROTOCOL, done))
+               for i in range(4)]
     for t in threads:
         t.start()
     time.sleep(2.0)  # the crowd is at full rate
     attn = start(init_only, host_config("attention", port, timeout_s=20.0), TOKEN, queue, "attention0")
     got = res = collect(queue, {"attention0", "ffn0"}, 40)
+    done.set()
     for t in threads:
         t.join(15)
     _join_all([ffn_proc, attn], 10)

@@ -105,8 +105,10 @@ def init_only(cfg: AfdConfig, token: str | None, queue: Any, name: str) -> None:
     queue.put((name, result))
 
 
-def hostile_header_worker(cfg: AfdConfig, shape: list[int], queue: Any) -> None:
-    """Join with the right token, then send one header announcing ``shape`` (float32) and no payload."""
+def hostile_header_worker(cfg: AfdConfig, shape: list[int], queue: Any, release: Any) -> None:
+    """Join with the right token, then send one header announcing ``shape`` (float32) and no payload; stay
+    connected until ``release`` (a multiprocessing ``Event``, set once the FFN side has reported) or at most
+    ``3 * SLACK_S``."""
     os.environ[auth.TOKEN_ENV] = TOKEN
     conn = TorchDistConnector(cfg)
     conn.init()
@@ -114,7 +116,7 @@ def hostile_header_worker(cfg: AfdConfig, shape: list[int], queue: Any) -> None:
     words += [0] * (wire.HEADER_LEN - len(words))
     assert conn._transport is not None
     conn._transport.send(0, words, None)
-    time.sleep(3 * SLACK_S)  # stay connected: the FFN must fail on the header, not on a closed peer
+    release.wait(3 * SLACK_S)  # stay connected: the FFN must fail on the header, not on a closed peer
     conn.close()
 
 
@@ -175,10 +177,11 @@ def test_header_bounds_before_allocation() -> None:
 def test_hostile_tensor_header_fails_the_group_without_allocating() -> None:
     """An authenticated peer announcing a 2**40-row tensor: the FFN fails at once, naming the bound."""
     port = free_port()
-    queue = _CTX.Queue()
+    queue, release = _CTX.Queue(), _CTX.Event()
     procs = [start(logged_ffn_worker, host_config("ffn", port), queue, TOKEN, IDENTITY),
-             start(hostile_header_worker, host_config("attention", port), [1 << 40, HIDDEN], queue)]
+             start(hostile_header_worker, host_config("attention", port), [1 << 40, HIDDEN], queue, release)]
     res = collect(queue, {"ffn0"}, 30)["ffn0"]
+    release.set()
     _join_all(procs, 20)
     assert res["error"] == "BadMessage" and "max_num_batched_tokens=64" in res["message"], res
     assert "refused before anything was allocated" in res["message"]

@@ -175,6 +175,12 @@ def live_fingerprint(target: str) -> str:
     return value
 
 
+def dump(doc: dict[str, Any]) -> str:
+    """``doc`` as YAML text, by libyaml's emitter: the same document as ``yaml.safe_dump`` writes, about eight
+    times faster on the real plan (about 0.25 s a dump on 2 cores in pure Python, and each case writes two)."""
+    return yaml.dump(doc, Dumper=yaml.CSafeDumper, sort_keys=False)
+
+
 @functools.cache
 def _real_doc() -> dict[str, Any]:
     """The real 0.32 manifest with its base (extends), read and resolved once per session: the YAML parse costs
@@ -212,7 +218,7 @@ def plan_doc(with_fingerprints: bool) -> dict[str, Any]:
 
 def _plan_order() -> list[str]:
     doc = plan_doc(with_fingerprints=False)
-    return [e.id for e in selection.order(manifest.parse(yaml.safe_dump(doc), "plan.yaml").entries)]
+    return [e.id for e in selection.order(manifest.parse(dump(doc), "plan.yaml").entries)]
 
 
 ORDER = _plan_order()
@@ -288,7 +294,7 @@ def diffs(before: list[dict[str, Any]], mods: dict[str, Any]) -> list[str]:
 
 def write(folder: Path, doc: dict[str, Any]) -> Path:
     folder.mkdir(parents=True)
-    (folder / "m.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    (folder / "m.yaml").write_text(dump(doc))
     return folder
 
 
@@ -321,7 +327,7 @@ def clean_activation_works(root: Path, mods: dict[str, Any]) -> None:
 def test_plan_shape_is_the_real_one() -> None:
     real_ids = [e.id for e in manifest.load(REAL).entries]
     assert set(real_ids) <= set(ORDER) and len(ORDER) == len(real_ids) + len(EXTRA) >= 5
-    ops = {e.op for e in manifest.parse(yaml.safe_dump(plan_doc(False)), "p.yaml").entries}
+    ops = {e.op for e in manifest.parse(dump(plan_doc(False)), "p.yaml").entries}
     assert ops == {"wrap", "replace", "set", "workers", "scoped-rebind"}
 
 

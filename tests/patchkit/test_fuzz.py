@@ -20,6 +20,7 @@ reproducible and its cost is known. Properties:
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import os
@@ -127,45 +128,61 @@ fingerprints = st.one_of(
 )
 
 
+# The strategies the composites below draw from, built once: a strategy made inside a draw is a fresh object
+# each time, which Hypothesis validates and sizes up again (``is_empty`` over a ``one_of`` holding ``text`` costs
+# about a millisecond), and the composites draw tens of them per example. The draws, and so the examples, are
+# the same as from strategies made in place. A choice that is a dict or list is copied on each draw
+# (``.map(copy.deepcopy)``, which draws nothing): ``mutated_docs`` edits the document it drew in place.
+_ID_LISTS = [st.lists(st.sampled_from(IDS[:5]), min_size=n, max_size=n, unique=True) for n in range(6)]
+_TARGET_LISTS = [st.lists(st.sampled_from(TARGETS), min_size=n, max_size=n, unique=True) for n in range(6)]
+_OPS = st.sampled_from(["wrap", "replace", "set"])
+_WHYS = st.sampled_from(["t", "why x"])
+_WITH = {False: st.sampled_from(WITH_REFS), True: st.sampled_from(WITH_REFS[:-1])}  # keyed by activatable
+_OPTIONAL_KEYS = [(key, st.sampled_from(choices).map(copy.deepcopy)) for key, choices in (
+    ("on_drift", ["fail", "warn", "skip"]), ("rebind", ["auto", "none", ["fzvictim"]]), ("required", [True, False]))]
+_WHENS = st.sampled_from([
+    {"platform": ["cpu"]}, {"platform": ["cuda"]}, {"vllm": ">=0.33"}, {"python": ">=3"},
+    {"env": {"FZ_NEVER_SET": None}}, {"env": {"FZ_NEVER_SET": "1"}}, {"has_param": ["x"]},
+    {"has_attr": ["K"]}, {"has_attr": ["Nope"]}, {"commit": ["abcdef0"]},
+]).map(copy.deepcopy)
+_VERSIONS = st.sampled_from(["==0.32.0", ">=0", ">=0.32,<0.33", "==0.31.0"])
+_COMMITS = st.sampled_from([None, "abcdef0", "0123456789abcdef0123456789abcdef01234567"])
+_ON_DRIFT = st.sampled_from(["fail", "warn", "skip"])
+
+
 @st.composite
 def valid_docs(draw: st.DrawFn, activatable: bool = False) -> dict[str, Any]:
     """A (mostly) valid manifest over the throwaway packages ``fzvictim`` (targets) and ``fzplug``."""
     n = draw(st.integers(0 if not activatable else 1, 5))
-    ids = draw(st.lists(st.sampled_from(IDS[:5]), min_size=n, max_size=n, unique=True))
-    targets = draw(st.lists(st.sampled_from(TARGETS), min_size=n, max_size=n, unique=True))
+    ids = draw(_ID_LISTS[n])
+    targets = draw(_TARGET_LISTS[n])
     patches = []
     for i, (pid, target) in enumerate(zip(ids, targets, strict=True)):
-        op = draw(st.sampled_from(["wrap", "replace", "set"]))
-        p: dict[str, Any] = {"id": pid, "target": target, "op": op, "why": draw(st.sampled_from(["t", "why x"]))}
+        op = draw(_OPS)
+        p: dict[str, Any] = {"id": pid, "target": target, "op": op, "why": draw(_WHYS)}
         if op == "set" and draw(st.booleans()):
             p["value"] = draw(json_values)
         else:
-            p["with"] = draw(st.sampled_from(WITH_REFS[:-1] if activatable else WITH_REFS))
+            p["with"] = draw(_WITH[activatable])
         if i and draw(st.booleans()):
             p["after"] = draw(st.lists(st.sampled_from(ids[:i]), max_size=2, unique=True))
         if draw(st.integers(0, 3)) == 0:
             p["fingerprint"] = draw(HEX_FP)
-        for key, choices in (("on_drift", ["fail", "warn", "skip"]), ("rebind", ["auto", "none", ["fzvictim"]]),
-                             ("required", [True, False])):
+        for key, choices in _OPTIONAL_KEYS:
             if draw(st.booleans()):
-                p[key] = draw(st.sampled_from(choices))
+                p[key] = draw(choices)
         if draw(st.integers(0, 4)) == 0:
-            p["when"] = draw(st.sampled_from([
-                {"platform": ["cpu"]}, {"platform": ["cuda"]}, {"vllm": ">=0.33"}, {"python": ">=3"},
-                {"env": {"FZ_NEVER_SET": None}}, {"env": {"FZ_NEVER_SET": "1"}}, {"has_param": ["x"]},
-                {"has_attr": ["K"]}, {"has_attr": ["Nope"]}, {"commit": ["abcdef0"]},
-            ]))
+            p["when"] = draw(_WHENS)
         patches.append(p)
     doc: dict[str, Any] = {
-        "format": 1, "plugin": "fz", "packages": ["fzplug"],
-        "vllm": {"version": draw(st.sampled_from(["==0.32.0", ">=0", ">=0.32,<0.33", "==0.31.0"]))},
+        "format": 1, "plugin": "fz", "packages": ["fzplug"], "vllm": {"version": draw(_VERSIONS)},
     }
     if draw(st.booleans()):
-        doc["vllm"]["commit"] = draw(st.sampled_from([None, "abcdef0", "0123456789abcdef0123456789abcdef01234567"]))
+        doc["vllm"]["commit"] = draw(_COMMITS)
     if draw(st.booleans()):
         doc["fallback"] = draw(st.booleans())
     if draw(st.booleans()):
-        doc["defaults"] = {"on_drift": draw(st.sampled_from(["fail", "warn", "skip"]))}
+        doc["defaults"] = {"on_drift": draw(_ON_DRIFT)}
     if patches or draw(st.booleans()):
         doc["patches"] = patches
     if not activatable and draw(st.integers(0, 2)) == 0:
@@ -195,13 +212,18 @@ def get(doc: Any, path: tuple[Any, ...]) -> Any:
 
 MUTATIONS = ["drop", "add-key", "retype", "enum", "string", "dup-entry", "cycle", "fingerprint", "specifier",
              "after-random", "ref"]
+_MUTATIONS = st.sampled_from(MUTATIONS)
+_ADDED_KEYS = st.sampled_from(["wiht", "extra", "Op", "", "id", "when", "vllm"])
+_STRINGS = st.sampled_from(TRICKY_STRINGS) | st.text(max_size=8)
+_SPECIFIERS = st.sampled_from(TRICKY_STRINGS) | st.text(max_size=10)
+_REFS = st.sampled_from(TRICKY_STRINGS) | st.sampled_from(WITH_REFS) | st.text(max_size=15)
 
 
 @st.composite
 def mutated_docs(draw: st.DrawFn, base: st.SearchStrategy[dict[str, Any]] | None = None) -> Any:
     doc = draw(base if base is not None else valid_docs())
     for _ in range(draw(st.integers(0, 3))):
-        kind = draw(st.sampled_from(MUTATIONS))
+        kind = draw(_MUTATIONS)
         path = draw(st.sampled_from(paths_of(doc)))
         if not path:
             if kind == "retype":
@@ -212,11 +234,11 @@ def mutated_docs(draw: st.DrawFn, base: st.SearchStrategy[dict[str, Any]] | None
         if kind == "drop":
             del parent[key]
         elif kind == "add-key" and isinstance(parent, dict):
-            parent[draw(st.sampled_from(["wiht", "extra", "Op", "", "id", "when", "vllm"]))] = draw(json_values)
+            parent[draw(_ADDED_KEYS)] = draw(json_values)
         elif kind == "retype":
             parent[key] = draw(json_values)
         elif kind in ("enum", "string"):
-            parent[key] = draw(st.sampled_from(TRICKY_STRINGS) | st.text(max_size=8))
+            parent[key] = draw(_STRINGS)
         elif kind == "dup-entry" and isinstance(patches, list) and patches:
             patches.append(json.loads(json.dumps(draw(st.sampled_from(patches)))))
         elif kind in ("cycle", "after-random") and isinstance(patches, list) and patches:
@@ -227,7 +249,7 @@ def mutated_docs(draw: st.DrawFn, base: st.SearchStrategy[dict[str, Any]] | None
         elif kind == "fingerprint" and isinstance(parent, dict):
             parent["fingerprint"] = draw(fingerprints)
         elif kind == "specifier":
-            spec = draw(st.sampled_from(TRICKY_STRINGS) | st.text(max_size=10))
+            spec = draw(_SPECIFIERS)
             if isinstance(doc, dict):
                 doc.setdefault("vllm", {})
                 if isinstance(doc["vllm"], dict):
@@ -236,7 +258,7 @@ def mutated_docs(draw: st.DrawFn, base: st.SearchStrategy[dict[str, Any]] | None
                 parent["when"] = {"vllm": spec, "python": spec}
                 parent["retire_when"] = {"vllm": spec}
         elif kind == "ref" and isinstance(parent, dict):
-            parent["with"] = draw(st.sampled_from(TRICKY_STRINGS) | st.sampled_from(WITH_REFS) | st.text(max_size=15))
+            parent["with"] = draw(_REFS)
     return doc
 
 
@@ -270,7 +292,7 @@ yaml_soup = st.one_of(
 
 @st.composite
 def flipped_bytes(draw: st.DrawFn) -> bytes:
-    base = bytearray(draw(st.sampled_from(BYTE_BASES)))
+    base = bytearray(draw(_BYTE_BASES))
     for _ in range(draw(st.integers(1, 8))):
         if not base:
             break
@@ -301,6 +323,7 @@ SMALL_VALID = textwrap.dedent("""\
         why: t
 """)
 BYTE_BASES = [SMALL_VALID.encode()] * 6 + [p.read_bytes() for p in REAL_MANIFESTS]
+_BYTE_BASES = st.sampled_from(BYTE_BASES)
 
 
 # -- parse fuzzing -----------------------------------------------------------------------------
