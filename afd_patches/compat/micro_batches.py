@@ -58,15 +58,20 @@ def in_step(micro_batches: int, min_tokens: int) -> Iterator[None]:
 
 
 MRV2_MODULE = "vllm.v1.worker.gpu.model_runner"  # where Model Runner V2's GPUModelRunner lives (0.29 to 0.34)
+# vLLM 0.34's MRV2 for CPUs without Triton other than x86 (cpu_worker builds it when
+# current_platform.uses_standalone_cpu_model_runner()): a runner of its own, not a GPUModelRunner subclass.
+MRV2_STANDALONE_MODULE = "vllm.v1.worker.cpu.standalone_model_runner"
 
 
 def runner_kind(runner: Any) -> str:
-    """``"v2"`` when ``runner`` is (a subclass of) Model Runner V2's ``GPUModelRunner``, else ``"v1"``.
+    """``"v2"`` when ``runner`` is (a subclass of) Model Runner V2's ``GPUModelRunner`` or vLLM 0.34's standalone
+    CPU runner (``StandaloneCPUModelRunner``, also MRV2), else ``"v1"``.
 
     Read from the class of the runner the worker really built (vLLM's CPU worker builds
     ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``, an MRV2 subclass, or the V1 ``CPUModelRunner``), not from
     the environment: vLLM's choice also depends on Triton and on the engine's features."""
-    return "v2" if any(cls.__module__ == MRV2_MODULE for cls in type(runner).__mro__) else "v1"
+    modules = {cls.__module__ for cls in type(runner).__mro__}
+    return "v2" if MRV2_MODULE in modules or MRV2_STANDALONE_MODULE in modules else "v1"
 
 
 def runner_class(runner: Any) -> str:

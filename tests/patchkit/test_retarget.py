@@ -11,6 +11,7 @@ at the end (marker ``vllm``) retargets the committed 0.32 manifest to the real
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import textwrap
@@ -435,6 +436,26 @@ def test_round_trip_against_real_wheels(release):
     again = retarget_text(source.read_text(), str(source), tree, commit=committed.vllm_commit if cpu_tree else None,
                           reviewed=(committed_text, str(committed_path)))
     assert not again.needs_review and again.text == committed_text, regenerate
+
+
+@pytest.mark.vllm
+def test_034_manifest_fits_its_wheel_without_micro_batches():
+    """vllm-0.34.yaml (retargeted from vllm-0.33.yaml, reviewed) against the CUDA 0.34.0 wheel: every entry fits
+    and the one feature refused is micro-batches (vLLM 0.34 deleted the V1 runner its requirements name).
+
+    Not in test_round_trip_against_real_wheels: it adds an entry (afd.ffn-skips-jit-warmup), and retarget
+    --reviewed flags a requirement kept on purpose while its target is missing every time (patchkit has no
+    reviewed-missing state), so the text would not come back unchanged."""
+    wheel = _wheel("0.34.0")
+    path = REPO / "manifests" / "afd" / "vllm-0.34.yaml"
+    text = path.read_text()
+    assert "# REVIEW:" not in text, "an unreviewed entry was committed"
+    committed = manifest.parse(text, str(path))
+    assert committed.vllm_version == "==0.34.0" and committed.vllm_commit == tree_commit(open_tree(str(wheel)))
+    code, out = run_check(path, str(wheel), fmt="json")
+    summary = json.loads(out)["summary"]
+    assert code == 0, out
+    assert summary["failing"] == [] and list(summary["features_refused"]) == ["micro-batches"], summary
 
 
 def test_review_mark_inside_a_block_scalar_is_content(trees, tmp_path):
