@@ -37,6 +37,18 @@ def test_lane_on_the_033_wheel_gives_the_verdicts_of_patchkit_check(tmp_path):
     assert "vLLM 0.33.0 fits" in out_file.read_text()
 
 
+@pytest.mark.vllm
+def test_a_feature_the_manifest_refuses_on_its_own_release_is_not_drift(tmp_path):
+    """0.34 has no V1 micro-batch path: its manifest refuses micro-batches there. Against its own wheel that is no
+    drift (exit 0, the refusal named); a feature refused only on the checked source would be (exit 1)."""
+    m034 = REPO / "manifests" / "afd" / "vllm-0.34.yaml"
+    wheel = str(_wheel("0.34.0"))
+    assert drift_lane.refused_on_own_release(m034, wheel) == {"micro-batches"}
+    code, report, _ = drift_lane.run_lane(m034, [("0.34 wheel", wheel)], wheel, {"micro-batches"})
+    assert code == 0 and "vLLM 0.34.0 fits" in report and "`micro-batches` (as on its own release)" in report
+    assert drift_lane.run_lane(m034, [("0.34 wheel", wheel)], wheel)[0] == 1
+
+
 def test_lane_reports_drift_with_exit_1_and_names_it(tmp_path):
     tree = drifted_copy(tmp_path / "tree", ["kwarg"])
     out_file = tmp_path / "report.md"
