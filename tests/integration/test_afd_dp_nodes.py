@@ -182,13 +182,14 @@ def _survey(trees: dict[str, subprocess.Popen[bytes]], token: str) -> tuple[list
 
 def _check_afd_sockets(trees: dict[str, subprocess.Popen[bytes]], afd_port: int, token: str,
                        engines: dict[str, int]) -> str:
-    """While serving: nothing listens on the AFD port any more (on ``tcp`` FFN rank 0 closes its rendezvous
-    once the group formed), and every TCP connection between an attention tree and the FFN tree (``"ffn"``)
+    """While serving: only the FFN tree listens on the AFD port, and only on ``AFD_HOST`` (under ``batched`` FFN
+    rank 0 keeps its rendezvous open behind the same gate to take dropped ranks back: ``rendezvous.Rejoins``),
+    and every TCP connection between an attention tree and the FFN tree (``"ffn"``)
     ends at ``AFD_HOST:afd_port`` on the FFN side, one per attention engine (``engines``: per tree): the
     authenticated rendezvous session, kept as the data link. Returns the listeners per tree and address, for
     the log."""
     listen, conns = _survey(trees, token)
-    assert not [x for x in listen if x[2] == afd_port], listen
+    assert {(name, ip) for name, ip, port in listen if port == afd_port} <= {("ffn", AFD_HOST)}, listen
     ffn_ends = {(local, remote) for name, local, remote in conns if name == "ffn"}
     links = sorted((name, remote) for name, local, remote in conns if name != "ffn" and (remote, local) in ffn_ends)
     want = sorted((name, (AFD_HOST, afd_port)) for name, n in engines.items() for _ in range(n))
