@@ -30,14 +30,17 @@ MAX_BYTES = 1 << 20  # a report is a few KB
 
 
 def process_role() -> str:
-    """``PATCHKIT_PROCESS_ROLE``, else vLLM's process title (``VLLM::Worker`` → ``Worker``), else ``main``."""
+    """``PATCHKIT_PROCESS_ROLE``, else vLLM's process title (``VLLM::Worker`` → ``Worker``; the prefix is
+    ``VLLM_PROCESS_NAME_PREFIX``, as vLLM sets it), else ``main``. Another program's title (pytest-xdist's
+    ``[pytest-xdist running] file::test``) is not a role."""
     if os.environ.get("PATCHKIT_PROCESS_ROLE"):
         return os.environ["PATCHKIT_PROCESS_ROLE"]
     setproctitle = sys.modules.get("setproctitle")
     if setproctitle is not None:
         title = setproctitle.getproctitle()
-        if "::" in title:
-            return title.split("::", 1)[1].split()[0]
+        prefix = os.environ.get("VLLM_PROCESS_NAME_PREFIX") or "VLLM"
+        if title.startswith(f"{prefix}::"):
+            return title[len(prefix) + 2:].split()[0]
     name = multiprocessing.current_process().name
     return "main" if name == "MainProcess" else name
 
