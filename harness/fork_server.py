@@ -42,6 +42,7 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -109,12 +110,12 @@ class Server:
     def __init__(self, base_env: dict[str, str]) -> None:
         self.base_env = base_env
         ours, theirs = socket.socketpair()
-        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"harness-fork-server-{os.getpid()}.log"
-        with log.open("wb") as fh:
+        fd, log = tempfile.mkstemp(prefix="harness-fork-server-", suffix=".log")  # a new file of ours, not a link
+        with os.fdopen(fd, "wb") as fh:
             self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], env=base_env,
                                           cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, pass_fds=(theirs.fileno(),))
         theirs.close()
-        self._log = log
+        self._log = Path(log)
         self._sock = ours
         self._exits: dict[int, int] = {}
         self._replies: list[dict[str, Any]] = []
