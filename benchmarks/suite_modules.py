@@ -1,0 +1,51 @@
+"""Where the suite's time goes, per test module: the sum of each module's test times from a pytest JUnit file.
+
+    python -m benchmarks.suite_modules AFTER.xml [--before BEFORE.xml] [--top 25]
+
+Prints a Markdown table, slowest module first: tests, failures, seconds (setup + call + teardown, as JUnit
+records them), and with ``--before`` the same module's seconds there. Make the files with README's test command:
+``bash scripts/test.sh --junitxml=FILE`` (its arguments go to pytest); the vLLM starts per module are in the
+summary that command prints at the end of the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+
+def per_module(junit: Path) -> tuple[Counter[str], Counter[str], Counter[str]]:
+    """(seconds, tests, failures or errors) per module path (``tests/x/test_y.py``) of ``junit``."""
+    seconds: Counter[str] = Counter()
+    tests: Counter[str] = Counter()
+    failed: Counter[str] = Counter()
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/") + ".py"
+        seconds[module] += float(case.get("time") or 0.0)
+        tests[module] += 1
+        failed[module] += any(child.tag in ("failure", "error") for child in case)
+    return seconds, tests, failed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("after", type=Path)
+    parser.add_argument("--before", type=Path)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    seconds, tests, failed = per_module(args.after)
+    before = per_module(args.before)[0] if args.before else None
+    print("| module | tests | failed | seconds |" + (" before |" if before is not None else ""))
+    print("|---|---:|---:|---:|" + ("---:|" if before is not None else ""))
+    for module, s in seconds.most_common(args.top):
+        extra = f" {before.get(module, 0.0):.0f} |" if before is not None else ""
+        print(f"| {module} | {tests[module]} | {failed[module]} | {s:.0f} |{extra}")
+    rest = sum(seconds.values()) - sum(s for _, s in seconds.most_common(args.top))
+    print(f"\n{sum(tests.values())} tests, {sum(failed.values())} failed or errored, {sum(seconds.values()):.0f} s in "
+          f"all ({rest:.0f} s outside the top {args.top})")
+
+
+if __name__ == "__main__":
+    main()
