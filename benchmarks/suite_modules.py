@@ -1,11 +1,12 @@
 """Where the suite's time goes, per test module: the sum of each module's test times from a pytest JUnit file.
 
-    python -m benchmarks.suite_modules AFTER.xml [--before BEFORE.xml] [--top 25]
+    python -m benchmarks.suite_modules AFTER.xml... [--before BEFORE.xml...] [--top 25]
 
 Prints a Markdown table, slowest module first: tests, failures, seconds (setup + call + teardown, as JUnit
-records them), and with ``--before`` the same module's seconds there. Make the files with README's test command:
-``bash scripts/test.sh --junitxml=FILE`` (its arguments go to pytest); the vLLM starts per module are in the
-summary that command prints at the end of the suite.
+records them; several files are summed, e.g. the two sessions of one run), and with ``--before`` the same module's
+seconds there. Make the files with README's test command: ``JUNIT_PREFIX=/tmp/run bash scripts/test.sh`` writes
+``/tmp/run-vllm.xml`` and ``/tmp/run-rest.xml``; the vLLM starts per module are in the summary that command prints
+at the end of the real-vLLM session.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from collections import Counter
 from pathlib import Path
 
 
-def per_module(junit: Path) -> tuple[Counter[str], Counter[str], Counter[str]]:
-    """(seconds, tests, failures or errors) per module path (``tests/x/test_y.py``) of ``junit``."""
+def per_module(junits: list[Path]) -> tuple[Counter[str], Counter[str], Counter[str]]:
+    """(seconds, tests, failures or errors) per module path (``tests/x/test_y.py``) over ``junits``."""
     seconds: Counter[str] = Counter()
     tests: Counter[str] = Counter()
     failed: Counter[str] = Counter()
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    for case in (c for junit in junits for c in ET.parse(junit).getroot().iter("testcase")):
         module = case.get("classname", "").replace(".", "/") + ".py"
         seconds[module] += float(case.get("time") or 0.0)
         tests[module] += 1
@@ -31,8 +32,8 @@ def per_module(junit: Path) -> tuple[Counter[str], Counter[str], Counter[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("after", type=Path)
-    parser.add_argument("--before", type=Path)
+    parser.add_argument("after", type=Path, nargs="+")
+    parser.add_argument("--before", type=Path, nargs="+")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
     seconds, tests, failed = per_module(args.after)

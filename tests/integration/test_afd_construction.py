@@ -36,16 +36,22 @@ TEST = "test_each_role_allocates_only_its_own_parameters"
 
 @pytest.fixture(scope="module")
 def measured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Every selected family measured in one subprocess (``import vllm`` once, not once per family; ``-k
-    family`` builds only that family's models): ``"family/role"`` -> result."""
+    """Every selected family measured in two subprocesses side by side, half of the families each (``import
+    vllm`` twice, not once per family; on a fresh checkout vLLM inspects each new architecture in a subprocess of
+    its own, one after the other, so two halves use both cores; ``-k family`` builds only that family's models):
+    ``"family/role"`` -> result."""
     work = tmp_path_factory.mktemp("afd-construction")
     families = sorted({item.callspec.params["family"] for item in request.session.items
                        if getattr(item, "originalname", "") == TEST and hasattr(item, "callspec")})
     models = [f"{family}={build(work / family, family, wide=True)}" for family in families]
-    proc = subprocess.run([sys.executable, "-m", "harness.construction_bytes", *models],
-                          env=vllm_env(), capture_output=True, text=True, timeout=1800, cwd=REPO)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    procs = [subprocess.Popen([sys.executable, "-m", "harness.construction_bytes", *half], env=vllm_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+             for half in (models[0::2], models[1::2]) if half]
+    outputs = [proc.communicate(timeout=1800) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, (out + err)[-4000:]
+    rows = [json.loads(line[len("RESULT "):]) for out, _ in outputs for line in out.splitlines()
+            if line.startswith("RESULT ")]
     return {f"{r['family']}/{r['role']}": r for r in rows}
 
 
