@@ -30,17 +30,16 @@ MAX_BYTES = 1 << 20  # a report is a few KB
 
 
 def process_role() -> str:
-    """``PATCHKIT_PROCESS_ROLE``, else vLLM's process title (``VLLM::Worker`` → ``Worker``; the prefix is
-    ``VLLM_PROCESS_NAME_PREFIX``, as vLLM sets it), else ``main``. Another program's title (pytest-xdist's
-    ``[pytest-xdist running] file::test``) is not a role."""
+    """``PATCHKIT_PROCESS_ROLE``, else vLLM's process title (``PREFIX::Name``, e.g. ``VLLM::Worker`` → ``Worker``),
+    else ``main``. A title whose part before ``::`` is not one word (pytest-xdist's ``[pytest-xdist running]
+    file.py::test``) is another program's, not a role."""
     if os.environ.get("PATCHKIT_PROCESS_ROLE"):
         return os.environ["PATCHKIT_PROCESS_ROLE"]
     setproctitle = sys.modules.get("setproctitle")
     if setproctitle is not None:
-        title = setproctitle.getproctitle()
-        prefix = os.environ.get("VLLM_PROCESS_NAME_PREFIX") or "VLLM"
-        if title.startswith(f"{prefix}::"):
-            return title[len(prefix) + 2:].split()[0]
+        prefix, sep, rest = setproctitle.getproctitle().partition("::")
+        if sep and prefix and not any(c.isspace() or c in "/[]" for c in prefix) and rest.split():
+            return rest.split()[0]
     name = multiprocessing.current_process().name
     return "main" if name == "MainProcess" else name
 
