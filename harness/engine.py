@@ -67,7 +67,7 @@ class EngineFailed(RuntimeError):
     """An engine process exited non-zero or overran its time limit; carries its log tail."""
 
 
-Process = subprocess.Popen[bytes] | fork_server.ForkedProcess
+Process = fork_server.Process
 Engine = tuple[Process, Path, Path]  # (process, its log, its result file)
 
 
@@ -138,8 +138,8 @@ def run_engines(specs: list[dict[str, Any]], workdir: Path, timeout_s: float = E
     """Run one engine process per spec (in order, ``stagger_s`` apart); all must finish in ``timeout_s``. Where
     ``harness.plain_cache`` is on, a plain spec's stored result is taken instead of a run (``"cached": true``) and
     a plain run's result is stored."""
-    cached = [plain_cache.load(spec) if spec["mode"] == "plain" and plain_cache.enabled() else None
-              for spec in specs]
+    keys = [plain_cache.key(spec) if spec["mode"] == "plain" and plain_cache.enabled() else None for spec in specs]
+    cached = [plain_cache.load(spec, k) if k else None for spec, k in zip(specs, keys, strict=True)]
     to_run = [spec for spec, hit in zip(specs, cached, strict=True) if hit is None]
     procs: list[Engine] = []
     try:
@@ -159,9 +159,9 @@ def run_engines(specs: list[dict[str, Any]], workdir: Path, timeout_s: float = E
         results = [hit if hit is not None else next(ran) for hit in cached]
     finally:
         kill(proc for proc, _, _ in procs)
-    for spec, hit, result in zip(specs, cached, results, strict=True):
-        if spec["mode"] == "plain" and hit is None and plain_cache.enabled():
-            plain_cache.store(spec, result)
+    for spec, k, hit, result in zip(specs, keys, cached, results, strict=True):
+        if k and hit is None:
+            plain_cache.store(spec, result, k)
     return results
 
 

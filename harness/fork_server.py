@@ -104,6 +104,9 @@ class ForkedProcess:
         return self.returncode
 
 
+Process = subprocess.Popen[bytes] | ForkedProcess  # what harness.starts.spawn returns
+
+
 class Server:
     """The test side of one fork server process (environment ``base_env``): ``spawn`` forks a child of it."""
 
@@ -184,7 +187,7 @@ class Server:
         log.write_bytes(b"")
         request = {"module": module, "argv": argv, "log": str(log), "env": env, "cwd": str(REPO)}
         with self._send_lock:
-            self._sock.sendall(json.dumps(request).encode() + b"\n")
+            _send(self._sock, request)
             reply = self._reply("started", 60.0)
         if reply is None:
             raise RuntimeError(f"fork server did not start {module} {argv}; its log:\n{self._tail()}")

@@ -93,9 +93,10 @@ def _valid(result: Any, spec: dict[str, Any]) -> bool:
                 for seq in logprobs))
 
 
-def load(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """The stored result for ``spec``, or None (nothing stored, or what is stored fails a check)."""
-    path = FOLDER / f"{key(spec)}.json"
+def load(spec: dict[str, Any], spec_key: str | None = None) -> dict[str, Any] | None:
+    """The stored result for ``spec`` (under ``spec_key``, default ``key(spec)``), or None (nothing stored, or what is
+    stored fails a check)."""
+    path = FOLDER / f"{spec_key or key(spec)}.json"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -113,12 +114,13 @@ def load(spec: dict[str, Any]) -> dict[str, Any] | None:
     return {**result, "cached": True} if _valid(result, spec) else None
 
 
-def store(spec: dict[str, Any], result: dict[str, Any]) -> None:
-    """Keep ``result`` (a plain run of ``spec``) under its key; written whole or not at all."""
+def store(spec: dict[str, Any], result: dict[str, Any], spec_key: str | None = None) -> None:
+    """Keep ``result`` (a plain run of ``spec``) under ``spec_key`` (default ``key(spec)``); written whole or not at
+    all."""
     if not _valid(result, spec):
         return
     FOLDER.mkdir(parents=True, exist_ok=True)
-    path = FOLDER / f"{key(spec)}.json"
+    path = FOLDER / f"{spec_key or key(spec)}.json"
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, path)

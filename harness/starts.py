@@ -66,7 +66,7 @@ def per_module(starts: list[dict[str, str]]) -> dict[str, Counter[str]]:
 
 
 def spawn(kind: Kind, args: list[str], log: Path, env: dict[str, str],
-          what: str = "") -> subprocess.Popen[bytes] | fork_server.ForkedProcess:
+          what: str = "") -> fork_server.Process:
     """Start ``args`` (a vLLM process tree) in its own session, ``cwd`` the repository root, stdout and stderr
     into ``log``; recorded as one start of ``kind`` (``what``, default the log's name; `` (forked)`` added when
     it was forked: ``harness.fork_server``). The caller ends it (e.g. ``os.killpg``)."""
