@@ -34,7 +34,11 @@ experts), whose MLP/expert parameters are over 90 % of the model's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -269,15 +273,33 @@ def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False,
     """Write config.json + model.safetensors for ``arch`` (``WIDE[arch]`` if ``wide``, then ``overrides``,
     e.g. a compute-heavy ``hidden_size``) into ``out``.
 
-    Idempotent (an existing ``out/config.json`` is kept); returns ``out``.
+    Idempotent (an existing ``out/config.json`` is kept); returns ``out``. Safe beside another process building
+    the same ``out`` (pytest-xdist workers, a release smoke): the checkpoint is written into a folder of its own
+    and renamed to ``out`` whole; the later of two builders keeps the earlier one's.
     """
-    import torch
-    import transformers
-
     if (out / "config.json").exists():
         return out
     if arch not in FAMILIES:
         raise ValueError(f"unknown arch {arch!r} (known: {', '.join(ARCHES)})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        _write(scratch, arch, seed, wide, overrides)
+        with contextlib.suppress(FileNotFoundError):
+            out.rmdir()  # an empty folder made beforehand; a full one is another builder's, kept
+        os.rename(scratch, out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+def _write(out: Path, arch: str, seed: int, wide: bool, overrides: dict[str, int] | None) -> None:
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
     name, fields = FAMILIES[arch]
     merged = {**COMMON, **fields, **(WIDE[arch] if wide else {}), **(overrides or {})}
@@ -287,11 +309,10 @@ def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False,
     if name in HAND_BUILT:
         from safetensors.torch import save_file
 
-        out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.to(dtype).contiguous() for k, v in HAND_BUILT[name](merged, torch).items()}
         save_file(tensors, str(out / "model.safetensors"))
         (out / "config.json").write_text(json.dumps({"architectures": [f"{name}ForCausalLM"], **merged}))
-        return out
+        return
     config = getattr(transformers, CONFIG_CLASS.get(arch, f"{name}Config"))(**merged)
     model = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():
@@ -302,7 +323,6 @@ def build(out: Path, arch: str = "llama", seed: int = 0, wide: bool = False,
             if key.endswith("e_score_correction_bias"):
                 t.normal_(0.0, 0.5)
     model.to(dtype).save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def register_configs() -> None:

@@ -17,6 +17,8 @@ is checked against what was recorded by the time its teardown runs on each.
 
 from __future__ import annotations
 
+import ast
+import functools
 import logging
 import os
 import shutil
@@ -26,6 +28,7 @@ import textwrap
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +56,23 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[starts.ENV] = config.stash[_STARTS_DIR]
     os.environ.setdefault(fork_server.ENV, "1")
     os.environ.setdefault(plain_cache.ENV, "1")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadfile``, a test module's tests run on one worker together with the modules that declare the
+    same ``XDIST_GROUP`` (modules sharing engines; others are a group of their own), so module- and session-scoped
+    engines are shared as in one process. (pytest-xdist's own ``loadgroup`` marks have no effect on pytest 9: its
+    worker renames ``item._nodeid``, which pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleGroups(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.partition("::")[0]
+            return str(_declared(config.rootpath / module, "XDIST_GROUP", module))
+
+    return ModuleGroups(config, log)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -95,8 +115,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     budgets = config.stash[_BUDGETS]
     for module, counts in sorted(starts.per_module(rows).items()):
         detail = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+        budget = budgets[module] if module in budgets else int(_declared(config.rootpath / module, "ENGINE_BUDGET", 0))
         terminalreporter.write_line(f"{sum(counts.values()):5d}  {module or '(outside a test)'}  ({detail}; "
-                                    f"budget {budgets.get(module, 0)})")
+                                    f"budget {budget})")
     per_test: Counter[str] = Counter()
     for reports in terminalreporter.stats.values():
         for report in reports:
@@ -107,6 +128,20 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.write_sep("=", f"{len(durations)} slowest tests (setup + call + teardown)")
     for nodeid, seconds in durations:
         terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
+
+
+@functools.cache
+def _declared(path: Path, name: str, default: object) -> object:
+    """The constant a test module's source assigns to ``name`` (``default`` if none), read without importing the
+    module: for a pytest-xdist controller, which collects no tests."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return default
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    return default
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ from harness.engine import (
     start,
     tail,
 )
-from harness.env import REPO, free_port
+from harness.env import free_port
 from harness.tiny_model import build
 
 pytestmark = pytest.mark.vllm
@@ -51,6 +51,8 @@ pytestmark = pytest.mark.vllm
 # attention each) and 2 pingpong pairs, 1 plain that cannot run, 4 compiled triples and a second compiled llama
 # pair, 6 2A1F triples, 2 busy/idle triples, 2 kill pairs; 94: and the idle 1A1F pair and 2A1F triple.
 ENGINE_BUDGET = 94
+# On the pytest-xdist worker of the other module that shares the 1A1F pairs (tests/conftest.py).
+XDIST_GROUP = "afd-1a1f-pairs"
 
 LAYERS = 2
 PROMPTS = [[1, 17, 42, 99, 123, 7], [5, 300, 211, 64], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
@@ -219,8 +221,12 @@ def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) ->
     vLLM alike -- so dynamo traces again; inductor's cache under the same folder is what is reused.)"""
     model = _model(workdir, family)
     afd = {**_afd(1), "compile_ffn": True}
-    specs = [_spec(f"{family}-ffn-compiled", "ffn", model, family, {**afd, "role": "ffn"}, compiled=True),
-             _spec(f"{family}-attn-compiled", "attention", model, family, {**afd, "role": "attention"}, compiled=True)]
+    # llama's second start reads the compile cache: the pair's own folder, which no other test's engine writes into
+    own_cache = workdir / "vllm-cache-compiled-llama"
+    env = {"env": {"VLLM_CACHE_ROOT": str(own_cache)}} if family == "llama" else {}
+    specs = [{**_spec(f"{family}-ffn-compiled", "ffn", model, family, {**afd, "role": "ffn"}, compiled=True), **env},
+             {**_spec(f"{family}-attn-compiled", "attention", model, family, {**afd, "role": "attention"},
+                      compiled=True), **env}]
     plain, ffn, attn = _run_engines([_spec(f"{family}-plain-compiled", "plain", model, family, compiled=True),
                                      *(dict(s) for s in specs)], workdir, stagger_s=1.0)
     worst = _assert_same_outputs(plain, attn)
@@ -234,7 +240,7 @@ def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) ->
           f"attention {attn['seconds']}, ffn {ffn['seconds']} (FFN compile {ffn['stats'][0]['ffn_compile_s']:.1f} s)")
     if family != "llama":
         return
-    cache = REPO / ".cache" / "vllm" / "torch_compile_cache"
+    cache = own_cache / "torch_compile_cache"
     before = _compiled_graphs(cache)
     assert any(p.startswith("afd_ffn/") for p in before) and any(p.startswith("torch_aot_compile/") for p in before)
     ffn2, attn2 = _run_engines([dict(s) for s in specs], workdir, stagger_s=1.0)

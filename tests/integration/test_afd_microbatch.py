@@ -32,6 +32,8 @@ pytestmark = pytest.mark.vllm
 # triples, the compiled triple, two mixed triples; after test_afd_e2e 77, its plain results and its 14 1A1F pairs
 # (the N = 1 column) shared.
 ENGINE_BUDGET = 119
+# On the pytest-xdist worker of the other module that shares the 1A1F pairs (tests/conftest.py).
+XDIST_GROUP = "afd-1a1f-pairs"
 
 
 def _micro(afd: dict[str, Any], n: int) -> dict[str, Any]:
