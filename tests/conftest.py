@@ -17,8 +17,6 @@ is checked against what was recorded by the time its teardown runs on each.
 
 from __future__ import annotations
 
-import ast
-import functools
 import logging
 import os
 import shutil
@@ -33,7 +31,7 @@ from typing import Any
 import pytest
 
 import patchkit
-from harness import fork_server, plain_cache, starts
+from harness import fork_server, plain_cache, starts, xdist_groups
 from patchkit.plan import Runtime
 
 _STARTS_DIR = pytest.StashKey[str]()
@@ -59,20 +57,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``--dist loadfile``, a test module's tests run on one worker together with the modules that declare the
-    same ``XDIST_GROUP`` (modules sharing engines; others are a group of their own), so module- and session-scoped
-    engines are shared as in one process. (pytest-xdist's own ``loadgroup`` marks have no effect on pytest 9: its
-    worker renames ``item._nodeid``, which pytest 9 no longer reads.)"""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class ModuleGroups(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.partition("::")[0]
-            return str(_declared(config.rootpath / module, "XDIST_GROUP", module))
-
-    return ModuleGroups(config, log)
+    """Under ``--dist loadfile``, modules that declare the same ``XDIST_GROUP`` run on one worker
+    (``harness.xdist_groups``)."""
+    return xdist_groups.make_scheduler(config, log)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -115,7 +102,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     budgets = config.stash[_BUDGETS]
     for module, counts in sorted(starts.per_module(rows).items()):
         detail = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
-        budget = budgets[module] if module in budgets else int(_declared(config.rootpath / module, "ENGINE_BUDGET", 0))
+        budget = budgets.get(module)
+        if budget is None:  # a pytest-xdist controller: its workers ran the module
+            budget = int(xdist_groups.declared(config.rootpath / module, "ENGINE_BUDGET", 0))
         terminalreporter.write_line(f"{sum(counts.values()):5d}  {module or '(outside a test)'}  ({detail}; "
                                     f"budget {budget})")
     per_test: Counter[str] = Counter()
@@ -128,20 +117,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.write_sep("=", f"{len(durations)} slowest tests (setup + call + teardown)")
     for nodeid, seconds in durations:
         terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
-
-
-@functools.cache
-def _declared(path: Path, name: str, default: object) -> object:
-    """The constant a test module's source assigns to ``name`` (``default`` if none), read without importing the
-    module: for a pytest-xdist controller, which collects no tests."""
-    try:
-        tree = ast.parse(path.read_text())
-    except (OSError, SyntaxError):
-        return default
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    return default
 
 
 @pytest.fixture

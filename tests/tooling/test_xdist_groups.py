@@ -1,0 +1,43 @@
+"""harness.xdist_groups in a real pytest-xdist run: modules that declare one XDIST_GROUP share a worker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from harness.env import REPO
+from harness.xdist_groups import declared
+
+GROUPED = [f"test_g{i}.py" for i in range(4)]
+ALONE = [f"test_a{i}.py" for i in range(4)]
+
+
+def test_grouped_modules_run_on_one_worker_and_the_others_spread(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(
+        "from harness.xdist_groups import make_scheduler as pytest_xdist_make_scheduler  # noqa: F401\n")
+    where = tmp_path / "where.txt"
+    for name in GROUPED + ALONE:
+        group = 'XDIST_GROUP = "shared"\n' if name in GROUPED else ""
+        body = f"open({str(where)!r}, 'a').write({name!r} + ' ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')"
+        (tmp_path / name).write_text(f"import os\n{group}\ndef test_where():\n    {body}\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                          "loadfile", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    workers: dict[str, set[str]] = defaultdict(set)
+    for line in where.read_text().splitlines():
+        name, worker = line.split()
+        workers["grouped" if name in GROUPED else "alone"].add(worker)
+    assert len(workers["grouped"]) == 1, workers  # plain loadfile would spread four files over both workers
+    assert len(workers["alone"]) == 2, workers
+
+
+def test_declared_reads_a_literal_without_importing(tmp_path: Path) -> None:
+    module = tmp_path / "test_m.py"
+    module.write_text('raise SystemExit("imported")\nENGINE_BUDGET = 7\nXDIST_GROUP = "g"\n')
+    assert declared(module, "ENGINE_BUDGET", 0) == 7 and declared(module, "XDIST_GROUP", None) == "g"
+    assert declared(module, "MISSING", "d") == "d" and declared(tmp_path / "nope.py", "ENGINE_BUDGET", 0) == 0
