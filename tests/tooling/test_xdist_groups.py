@@ -15,7 +15,7 @@ GROUPED = [f"test_g{i}.py" for i in range(4)]
 ALONE = [f"test_a{i}.py" for i in range(4)]
 
 
-def test_grouped_modules_run_on_one_worker_and_the_others_spread(tmp_path: Path) -> None:
+def test_grouped_modules_run_on_one_worker_and_the_other_worker_is_not_idle(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(
         "from harness.xdist_groups import make_scheduler as pytest_xdist_make_scheduler  # noqa: F401\n")
     where = tmp_path / "where.txt"
@@ -33,7 +33,9 @@ def test_grouped_modules_run_on_one_worker_and_the_others_spread(tmp_path: Path)
         name, worker = line.split()
         workers["grouped" if name in GROUPED else "alone"].add(worker)
     assert len(workers["grouped"]) == 1, workers  # plain loadfile would spread four files over both workers
-    assert len(workers["alone"]) == 2, workers
+    # The others go wherever a worker is free (the one without the group may run them all), so only "the other
+    # worker ran something" is certain: xdist hands the group, its largest unit, to one worker, the next to the other.
+    assert workers["alone"] - workers["grouped"], workers
 
 
 def test_declared_reads_a_literal_without_importing(tmp_path: Path) -> None:
