@@ -18,8 +18,9 @@ asks for AFD the wrong way). Optional: ``compiled`` (default false: eager), ``mu
 (extra environment variables), ``max_num_batched_tokens`` (vLLM's; small values make mixed prefill/decode
 steps), ``tensor_parallel_size`` and ``enable_expert_parallel`` (vLLM's; a TP engine's ``collective_rpc``
 results list its TP ranks in order), ``ffn_wait_s``, ``ready_flag`` (a file created once the engine
-is up), ``generate`` (default true; false for an idle attention rank), ``again_after_s`` (idle that long after
-generating, then generate the same prompts again into ``again``), ``done_flag`` (a file created once generation is
+is up), ``generate`` (default true; false for an idle attention rank), ``again_after_s`` and ``again_when`` (idle that
+long after generating, and until those files exist, then generate the same prompts again into ``again``; either
+asks for it), ``done_flag`` (a file created once generation is
 done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
 keep an idle rank up while a busy one works), ``runner`` (``mrv2``: vLLM's Model Runner V2, run under Triton's
 interpreter with the test-only stand-in CPU backend of ``harness.triton_cpu``; default: the runner vLLM picks,
@@ -259,6 +260,14 @@ def _runner_name(worker: Any) -> str:
     return runner_name(worker.model_runner)
 
 
+def _wait_for_files(paths: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(Path(p).exists() for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not all of {paths} appeared")
+        time.sleep(0.2)
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM
@@ -285,17 +294,14 @@ def main(spec_path: str) -> None:
         if spec.get("generate", True):
             result["tokens"], result["logprobs"], result["finish_reasons"] = _generate(llm, spec)
             result["seconds"]["generate"] = time.monotonic() - t1
-            if spec.get("again_after_s"):  # idle, then the same prompts once more
-                time.sleep(spec["again_after_s"])
+            if spec.get("again_after_s") or spec.get("again_when"):  # idle, then the same prompts once more
+                time.sleep(spec.get("again_after_s", 0))
+                _wait_for_files(spec.get("again_when", []), spec.get("ffn_wait_s", 120.0))
                 result["again"] = dict(zip(("tokens", "logprobs", "finish_reasons"), _generate(llm, spec),
                                            strict=True))
         if spec.get("done_flag"):
             Path(spec["done_flag"]).write_text("done")
-        deadline = time.monotonic() + spec.get("ffn_wait_s", 120.0)
-        while not all(Path(p).exists() for p in spec.get("wait_for", [])):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not all of {spec['wait_for']} appeared")
-            time.sleep(0.2)
+        _wait_for_files(spec.get("wait_for", []), spec.get("ffn_wait_s", 120.0))
         result["seconds"]["until_close"] = time.monotonic() - t1
         if mode == "attention":
             result["stats"] = llm.collective_rpc("afd_stats")

@@ -47,10 +47,11 @@ from harness.tiny_model import build
 
 pytestmark = pytest.mark.vllm
 
-# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 89: 1A1F on 14 families (plain + FFN +
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 83: 1A1F on 14 families (plain + FFN +
 # attention each) and 2 pingpong pairs, 1 plain that cannot run, 4 compiled triples and a second compiled llama
-# pair, 6 2A1F triples, 2 busy/idle triples, 2 kill pairs; 94: and the idle 1A1F pair and 2A1F triple.
-ENGINE_BUDGET = 94
+# pair, 6 2A1F triples (llama's also check a busy rank beside an idle one), 2 kill pairs; 88: and the idle 1A1F pair
+# and 2A1F triple.
+ENGINE_BUDGET = 88
 # On the pytest-xdist worker of the other module that shares the 1A1F pairs (tests/conftest.py).
 XDIST_GROUP = "afd-1a1f-pairs"
 
@@ -255,7 +256,10 @@ def test_afd_compiled_matches_plain_vllm_compiled(workdir: Path, family: str) ->
     ("glm4_moe", "batched"), ("qwen3_next", "batched")])
 def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) -> None:
     """Two attention engines with the same workload share one FFN engine (batched: one FFN call per layer
-    over both; pingpong: one per engine and layer, as each arrives)."""
+    over both; pingpong: one per engine and layer, as each arrives). Llama then goes on in the same group with one
+    rank busy and the other idle: rank 0 generates again once rank 1 is done, and still matches plain vLLM.
+    Batched: the idle rank's zero-token steps keep the FFN rank's batch moving; pingpong: the idle rank sends none
+    and the busy one is served as it arrives."""
     model = _model(workdir, family)
     afd = _afd(2, schedule)
     flags = [str(workdir / f"2a-done-{r}") for r in range(2)]
@@ -266,37 +270,22 @@ def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
         spec = _spec(f"{family}-2a-attn{r}", "attention", model, family, {**afd, "role": "attention", "rank": r})
         spec.update(done_flag=flags[r], wait_for=flags)  # both up until both are done: same step counts
         attn_specs.append(spec)
+    idle_phase = family == "llama"
+    if idle_phase:  # rank 0 again once rank 1 is done (rank 1 idles until rank 0 is done)
+        attn_specs[0]["again_when"] = [flags[1]]
     plain, (ffn, *attns) = _run_with_plain(
         workdir, family, [_spec(f"{family}-2a-ffn", "ffn", model, family, {**afd, "role": "ffn"}), *attn_specs])
     for attn in attns:
         _assert_same_outputs(plain, attn)
     _check_roles(ffn, attns, schedule)
-
-
-@pytest.mark.parametrize("schedule", ["batched", "pingpong"])
-def test_afd_2a1f_busy_and_idle_rank_finishes(workdir: Path, schedule: str) -> None:
-    """One attention rank serves requests, the other gets none, and the busy rank still matches plain
-    vLLM. Batched: the idle rank's zero-token steps keep the FFN rank's batch moving; pingpong: the idle
-    rank sends none and the busy one is served as it arrives."""
-    family = "llama"
-    model, plain = _model_and_plain(workdir, family)
-    afd = _afd(2, schedule)
-    done = workdir / "idle-test-busy-done"
-    done.unlink(missing_ok=True)
-    busy_spec = _spec(f"{family}-idle-attn0", "attention", model, family, {**afd, "role": "attention", "rank": 0})
-    busy_spec["done_flag"] = str(done)
-    idle_spec = _spec(f"{family}-idle-attn1", "attention", model, family, {**afd, "role": "attention", "rank": 1})
-    idle_spec.update(generate=False, wait_for=[str(done)])
-    ffn, busy, idle = _run_engines([
-        _spec(f"{family}-idle-ffn", "ffn", model, family, {**afd, "role": "ffn"}), busy_spec, idle_spec,
-    ], workdir, stagger_s=1.0)
-    _assert_same_outputs(plain, busy)
-    _check_roles(ffn, [busy, idle], schedule)
-    i = idle["stats"][0]
+    if not idle_phase:
+        return
+    _assert_same_outputs(plain, attns[0]["again"])
+    busy, idle = (a["stats"][0] for a in attns)
     if schedule == "batched":
-        assert i["idle_steps"] == i["steps"] > 0  # every step of the idle rank was a zero-token one
-    else:
-        assert i["idle_steps"] == i["steps"] == 0  # it never stepped, and the busy rank was served anyway
+        assert idle["idle_steps"] > 0  # zero-token steps while the other rank worked
+    else:  # it never stepped while idle, and the busy rank was served anyway
+        assert idle["idle_steps"] == 0 and busy["steps"] > idle["steps"] > 0
 
 
 KILL_TIMEOUT_S = 15.0  # the pair's AFD timeout_s in the kill tests

@@ -2,15 +2,16 @@
 
 1. ``python -m vllm.entrypoints.openai.api_server --help`` lists the ``AFD`` group, and
    ``--help=AFD`` lists every ``--afd-*`` flag (the plugin adds them through its manifest).
-2. A tiny float32 Llama (plus a tiny word-level tokenizer) is served as an AFD pair: the FFN
-   role server first, then the attention role server, both configured with ``--afd-*`` flags
-   (the FFN one also with ``--additional-config``, to show both forms combine). One greedy
+2. A tiny float32 Llama (plus a tiny word-level tokenizer) is served as an AFD pair, shared by the
+   module's tests, which run their checks on it in order (``pair``): the FFN role server first, then
+   the attention role server, both configured with ``--afd-*`` flags (the FFN one also with
+   ``--additional-config``, to show both forms combine). One greedy
    ``/v1/completions`` request (token-id prompt, ``return_tokens_as_token_ids``) to the
    attention server must give the same token ids and top-5 logprobs as plain offline vLLM
    (harness/engine.py) on the same checkpoint.
-3. The same pair, the attention server's process group SIGKILLed once both are healthy: the FFN
-   server notices the lost rank at once, logs that the group ended naming it, and stays up and
-   healthy, waiting for a new group (an FFN engine outlives its attention engines' crashes).
+3. The same pair, the attention server's process group SIGKILLed: the FFN server notices the lost
+   rank at once, logs that the group ended naming it, and stays up and healthy, waiting for a new
+   group (an FFN engine outlives its attention engines' crashes); a new attention server is served.
 4. The other direction: the FFN server SIGKILLed under streamed traffic; the attention server outlives
    it (requests fail naming AFD and host:port, /health unhealthy) and re-forms the group by itself when
    an FFN server is back on the same port; then a restarted attention server is served too.
@@ -32,6 +33,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +46,10 @@ from harness.env import free_port, vllm_env
 
 pytestmark = pytest.mark.vllm
 
-# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 11: two --help front ends, the session's
-# plain engine (plain_generation) and 8 API servers (pair: 2, attention killed: 2, FFN restart: 4).
-ENGINE_BUDGET = 11
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 8: two --help front ends, the session's
+# plain engine (plain_generation) and 5 API servers (the pair; the attention server after the kill; the FFN server
+# after its kill; the attention server after a clean stop).
+ENGINE_BUDGET = 8
 
 HOST = "127.0.0.1"
 PROMPT = [1, 2, 3, 4, 5]
@@ -163,29 +166,75 @@ def _max_logprob_difference(plain: list[dict[str, float]], served: list[dict[str
     return worst
 
 
-def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, plain_generation: Any,
-                                                          tmp_path: Path) -> None:
+OUTAGE_TIMEOUT_S = 5  # the pair's AFD timeout_s: in-flight requests must end within it when the FFN is killed
+
+
+@dataclass
+class Pair:
+    """The module's AFD pair of API servers. Its tests run their checks on it in file order; one that restarts a
+    server leaves the new process here (``procs`` holds every server started, all stopped at the end)."""
+
+    procs: list[subprocess.Popen[bytes]]
+    folder: Path
+    afd_port: int
+    ffn_port: int
+    attn_port: int
+    ffn_args: list[str]
+    attn_args: list[str]
+    ffn: subprocess.Popen[bytes]
+    attn: subprocess.Popen[bytes]
+    ffn_log: Path
+    attn_log: Path
+    healthy_s: tuple[float, float]  # FFN, attention: seconds from start to healthy
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.afd_port}"
+
+    def start_attention(self, log_name: str) -> None:
+        self.attn_log = self.folder / log_name
+        self.attn = _start(self.procs, self.attn_args, self.attn_log)
+        _wait_healthy(self.attn, self.attn_port, self.attn_log, START_TIMEOUT_S)
+
+    def start_ffn(self, log_name: str) -> None:
+        self.ffn_log = self.folder / log_name
+        self.ffn = _start(self.procs, self.ffn_args, self.ffn_log)
+        _wait_healthy(self.ffn, self.ffn_port, self.ffn_log, START_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """The FFN server, then the attention server, at ``timeout_s`` ``OUTAGE_TIMEOUT_S``. The attention server comes
+    up far later than ``timeout_s`` after the FFN server: the FFN server waits for its first group as long as it
+    takes. The attention server stops on SIGTERM with ``--shutdown-timeout 10``, time to close the group cleanly
+    (vLLM's default, 0, kills the worker at once)."""
+    folder = tmp_path_factory.mktemp("afd-server-pair")
+    afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
+    arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
+    common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", str(OUTAGE_TIMEOUT_S)]
+    ffn_args = _server_args(model_dir, ffn_port, *arch, "--afd-role", "ffn", *common, "--additional-config",
+                            json.dumps({"afd": {"connector_extra_config": {"idle_timeout_s": 900}}}))
+    attn_args = _server_args(model_dir, attn_port, *arch, "--afd-role", "attention", *common,
+                             "--shutdown-timeout", "10")
+    with _servers() as procs:
+        ffn_log, attn_log = folder / "ffn.log", folder / "attention.log"
+        ffn = _start(procs, ffn_args, ffn_log)
+        ffn_s = _wait_healthy(ffn, ffn_port, ffn_log, START_TIMEOUT_S)
+        attn = _start(procs, attn_args, attn_log)
+        attn_s = _wait_healthy(attn, attn_port, attn_log, START_TIMEOUT_S)
+        yield Pair(procs, folder, afd_port, ffn_port, attn_port, ffn_args, attn_args, ffn, attn, ffn_log, attn_log,
+                   (ffn_s, attn_s))
+
+
+def test_afd_pair_behind_openai_server_matches_plain_vllm(pair: Pair, model_dir: Path, plain_generation: Any) -> None:
     plain = plain_generation
     plain_tokens = plain.result["tokens"][0]
     plain_logprobs = plain.result["logprobs"][0]
-
-    afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
-    arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
-    common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", "300"]
-    with _servers() as procs:
-        ffn_log, attn_log = tmp_path / "ffn.log", tmp_path / "attention.log"
-        ffn = _start(procs, _server_args(model_dir, ffn_port, *arch, "--afd-role", "ffn", *common,
-                                         "--additional-config",
-                                         json.dumps({"afd": {"connector_extra_config": {"idle_timeout_s": 900}}})),
-                     ffn_log)
-        ffn_s = _wait_healthy(ffn, ffn_port, ffn_log, START_TIMEOUT_S)
-        attn = _start(procs, _server_args(model_dir, attn_port, *arch, "--afd-role", "attention", *common), attn_log)
-        attn_s = _wait_healthy(attn, attn_port, attn_log, START_TIMEOUT_S)
-        t1 = time.monotonic()
-        response = _complete(attn_port, model_dir)
-        request_s = time.monotonic() - t1
-        attn_stats, ffn_stats = _afd_stats(attn_port), _afd_stats(ffn_port)
-        assert ffn.poll() is None, f"FFN server died:\n{tail(ffn_log)}"
+    t1 = time.monotonic()
+    response = _complete(pair.attn_port, model_dir)
+    request_s = time.monotonic() - t1
+    attn_stats, ffn_stats = _afd_stats(pair.attn_port), _afd_stats(pair.ffn_port)
+    assert pair.ffn.poll() is None, f"FFN server died:\n{tail(pair.ffn_log)}"
     choice = response["choices"][0]
     lp = choice["logprobs"]
     tokens = [_token_id(t) for t in lp["tokens"]]
@@ -198,41 +247,36 @@ def test_afd_pair_behind_openai_server_matches_plain_vllm(model_dir: Path, plain
     assert attn_stats["kv_cache_bytes"] > 0 and attn_stats["messages_sent"] > 0
     assert ffn_stats["role"] == "ffn" and ffn_stats["kv_cache_bytes"] == 0 and ffn_stats["attn_param_names"] == []
     assert ffn_stats["messages_received"] == attn_stats["messages_sent"] == attn_stats["messages_received"]
+    ffn_s, attn_s = pair.healthy_s
     print(f"AFD server: tokens {tokens} equal plain vLLM; max |dlogprob| {worst:.1e}; "
           f"FFN server healthy in {ffn_s:.1f}s, attention server in {attn_s:.1f}s, request {request_s:.2f}s; "
           f"{attn_stats['messages_sent']} layer messages exchanged")
 
 
-def test_attention_server_killed_the_ffn_server_waits_for_a_new_group(model_dir: Path, tmp_path: Path) -> None:
+def test_attention_server_killed_the_ffn_server_waits_for_a_new_group(pair: Pair, model_dir: Path) -> None:
     """SIGKILL the attention server's process group: the FFN server notices the lost rank at once (its socket
-    closes), logs that the group ended naming it, and stays up and healthy, waiting for a new group."""
-    timeout_s = 120
-    afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
-    arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
-    common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", str(timeout_s)]
-    with _servers() as procs:
-        ffn_log, attn_log = tmp_path / "ffn.log", tmp_path / "attention.log"
-        ffn = _start(procs, _server_args(model_dir, ffn_port, *arch, "--afd-role", "ffn", *common), ffn_log)
-        _wait_healthy(ffn, ffn_port, ffn_log, START_TIMEOUT_S)
-        attn = _start(procs, _server_args(model_dir, attn_port, *arch, "--afd-role", "attention", *common), attn_log)
-        _wait_healthy(attn, attn_port, attn_log, START_TIMEOUT_S)
-        assert len(_complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]) == MAX_TOKENS
-        os.killpg(attn.pid, signal.SIGKILL)
-        attn.wait(30)
-        t0 = time.monotonic()
-        while "waiting for a new group" not in (log := tail(ffn_log, 20000)):
-            assert ffn.poll() is None, f"the FFN server exited after the attention server was killed:\n{log[-3000:]}"
-            assert time.monotonic() - t0 < 30, f"the FFN server did not notice the lost rank:\n{log[-3000:]}"
-            time.sleep(0.2)
-        elapsed = time.monotonic() - t0
-        assert "the group ended" in log and "lost attention rank 0" in log, log[-3000:]
-        time.sleep(2)
-        assert ffn.poll() is None, tail(ffn_log)
-        _wait_healthy(ffn, ffn_port, ffn_log, 10)
-    print(f"FFN server noticed the killed attention server within {elapsed:.1f}s and waits for a new group")
+    closes), logs that the group ended naming it, and stays up and healthy, waiting for a new group; a new
+    attention server on the same ports is served."""
+    before = [_token_id(t) for t in _complete(pair.attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
+    assert len(before) == MAX_TOKENS
+    os.killpg(pair.attn.pid, signal.SIGKILL)
+    pair.attn.wait(30)
+    t0 = time.monotonic()
+    while "waiting for a new group" not in (log := tail(pair.ffn_log, 20000)):
+        assert pair.ffn.poll() is None, f"the FFN server exited after the attention server was killed:\n{log[-3000:]}"
+        assert time.monotonic() - t0 < 30, f"the FFN server did not notice the lost rank:\n{log[-3000:]}"
+        time.sleep(0.2)
+    elapsed = time.monotonic() - t0
+    assert "the group ended" in log and "lost attention rank 0" in log, log[-3000:]
+    time.sleep(2)
+    assert pair.ffn.poll() is None, tail(pair.ffn_log)
+    _wait_healthy(pair.ffn, pair.ffn_port, pair.ffn_log, 10)
+    pair.start_attention("attention-after-kill.log")
+    again = [_token_id(t) for t in _complete(pair.attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
+    assert again == before and pair.ffn.poll() is None, (before, again)
+    print(f"FFN server noticed the killed attention server within {elapsed:.1f}s and served a new one")
 
 
-OUTAGE_TIMEOUT_S = 5  # the pair's AFD timeout_s in the outage test: in-flight requests must end within it
 STREAMS = 3
 STREAM_TOKENS = 240  # long enough to be in flight when the FFN is killed
 
@@ -285,89 +329,71 @@ def _wait_gauge(port: int, value: float, timeout_s: float = 10.0) -> None:
         time.sleep(0.2)
 
 
-def test_attention_server_outlives_ffn_restart(model_dir: Path, tmp_path: Path) -> None:
+def test_attention_server_outlives_ffn_restart(pair: Pair, model_dir: Path) -> None:
     """SIGKILL the FFN server under streamed traffic: the in-flight requests end within ``timeout_s`` with an error
     naming AFD and the FFN's host:port, /health is unhealthy, a new request fails fast with that error. Restart the
     FFN server on the same ports: the same attention server re-forms the group by itself and gives the same greedy
-    tokens. Then restart the attention server: the FFN server serves the new one."""
+    tokens. Then stop the attention server cleanly and start another: the FFN server serves the new one."""
     import threading
 
-    afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
-    address = f"{HOST}:{afd_port}"
-    arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
-    common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", str(OUTAGE_TIMEOUT_S)]
-    ffn_args = _server_args(model_dir, ffn_port, *arch, "--afd-role", "ffn", *common)
-    # a SIGTERM gives the engine time to close the group cleanly (vLLM's default, 0, kills the worker at once, and
-    # an FFN server that loses its attention rank uncleanly stops itself)
-    attn_args = _server_args(model_dir, attn_port, *arch, "--afd-role", "attention", *common,
-                             "--shutdown-timeout", "10")
-    with _servers() as procs:
-        # the attention server comes up far later than timeout_s after the FFN server: the FFN server waits for
-        # its first group as long as it takes (it no longer stops itself)
-        ffn_log = tmp_path / "ffn.log"
-        ffn = _start(procs, ffn_args, ffn_log)
-        _wait_healthy(ffn, ffn_port, ffn_log, START_TIMEOUT_S)
-        attn = _start(procs, attn_args, tmp_path / "attention.log")
-        _wait_healthy(attn, attn_port, tmp_path / "attention.log", START_TIMEOUT_S)
-        before = [_token_id(t) for t in _complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
-        _wait_gauge(attn_port, 1.0)
+    attn_port, address, first_ffn_log = pair.attn_port, pair.address, pair.ffn_log
+    before = [_token_id(t) for t in _complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
+    _wait_gauge(attn_port, 1.0)
 
-        results: list[dict[str, Any]] = [{} for _ in range(STREAMS)]
-        threads = [threading.Thread(target=_stream, args=(attn_port, model_dir, r), daemon=True) for r in results]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while not all("first" in r for r in results):
-            assert time.monotonic() < deadline and not any("end" in r for r in results), results
-            time.sleep(0.02)
-        os.killpg(ffn.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        ffn.wait(30)
-        for t in threads:
-            t.join(OUTAGE_TIMEOUT_S + 30)
-        for r in results:
-            assert "end" in r and "exception" not in r, r
-            assert r["end"] - killed <= OUTAGE_TIMEOUT_S, f"a request ended {r['end'] - killed:.1f}s after the kill"
-            message = r.get("error", {}).get("message", "")
-            assert "AFD" in message and address in message, r
-        ended_s = max(r["end"] for r in results) - killed
+    results: list[dict[str, Any]] = [{} for _ in range(STREAMS)]
+    threads = [threading.Thread(target=_stream, args=(attn_port, model_dir, r), daemon=True) for r in results]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all("first" in r for r in results):
+        assert time.monotonic() < deadline and not any("end" in r for r in results), results
+        time.sleep(0.02)
+    os.killpg(pair.ffn.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    pair.ffn.wait(30)
+    for t in threads:
+        t.join(OUTAGE_TIMEOUT_S + 30)
+    for r in results:
+        assert "end" in r and "exception" not in r, r
+        assert r["end"] - killed <= OUTAGE_TIMEOUT_S, f"a request ended {r['end'] - killed:.1f}s after the kill"
+        message = r.get("error", {}).get("message", "")
+        assert "AFD" in message and address in message, r
+    ended_s = max(r["end"] for r in results) - killed
 
-        status, body, _ = _http_error(attn_port, "/health")
-        assert status >= 500 and "AFD" in body and address in body, (status, body)
-        status, body, new_s = _http_error(attn_port, "/v1/completions", {
-            "model": str(model_dir), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
-        assert status >= 500 and "AFD" in body and address in body, (status, body)
-        assert new_s < OUTAGE_TIMEOUT_S, f"a new request took {new_s:.1f}s to fail"
-        _wait_gauge(attn_port, 0.0)
-        assert attn.poll() is None, tail(tmp_path / "attention.log")
+    status, body, _ = _http_error(attn_port, "/health")
+    assert status >= 500 and "AFD" in body and address in body, (status, body)
+    status, body, new_s = _http_error(attn_port, "/v1/completions", {
+        "model": str(model_dir), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert status >= 500 and "AFD" in body and address in body, (status, body)
+    assert new_s < OUTAGE_TIMEOUT_S, f"a new request took {new_s:.1f}s to fail"
+    _wait_gauge(attn_port, 0.0)
+    assert pair.attn.poll() is None, tail(pair.attn_log)
 
-        restarted = time.monotonic()
-        ffn = _start(procs, ffn_args, tmp_path / "ffn-2.log")
-        _wait_healthy(ffn, ffn_port, tmp_path / "ffn-2.log", START_TIMEOUT_S)
-        ffn_up = time.monotonic()
-        while True:  # the attention server re-forms the group by itself; nothing is sent to it but requests
-            try:
-                after = [_token_id(t) for t in _complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
-                break
-            except urllib.error.HTTPError as e:
-                assert time.monotonic() - ffn_up < 60, f"no group 60s after the FFN was back: {e.read()[:300]!r}"
-                time.sleep(0.1)
-        recovered = time.monotonic()
-        assert attn.poll() is None and after == before, (before, after)
-        with urllib.request.urlopen(f"http://{HOST}:{attn_port}/health", timeout=10) as r:
-            assert r.status == 200
-        group = _afd_stats(attn_port)["group"]
-        assert group["up"] and group["outages"] == 1 and group["reformations"] == 1, group
-        _wait_gauge(attn_port, 1.0)
+    restarted = time.monotonic()
+    pair.start_ffn("ffn-2.log")
+    ffn_up = time.monotonic()
+    while True:  # the attention server re-forms the group by itself; nothing is sent to it but requests
+        try:
+            after = [_token_id(t) for t in _complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
+            break
+        except urllib.error.HTTPError as e:
+            assert time.monotonic() - ffn_up < 60, f"no group 60s after the FFN was back: {e.read()[:300]!r}"
+            time.sleep(0.1)
+    recovered = time.monotonic()
+    assert pair.attn.poll() is None and after == before, (before, after)
+    with urllib.request.urlopen(f"http://{HOST}:{attn_port}/health", timeout=10) as r:
+        assert r.status == 200
+    group = _afd_stats(attn_port)["group"]
+    assert group["up"] and group["outages"] == 1 and group["reformations"] == 1, group
+    _wait_gauge(attn_port, 1.0)
 
-        _stop(attn)  # a clean stop: the FFN server waits for the next group
-        attn = _start(procs, attn_args, tmp_path / "attention-2.log")
-        _wait_healthy(attn, attn_port, tmp_path / "attention-2.log", START_TIMEOUT_S)
-        again = [_token_id(t) for t in _complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
-        assert again == before and ffn.poll() is None, (before, again)
-        assert "AFD FFN rank 0: a group formed" in tail(tmp_path / "ffn-2.log", 50000)
-        first_log = tail(ffn_log, 50000)
-        assert "waiting for its first group" in first_log, first_log[-3000:]
+    _stop(pair.attn)  # a clean stop: the FFN server waits for the next group
+    pair.start_attention("attention-after-stop.log")
+    again = [_token_id(t) for t in _complete(attn_port, model_dir)["choices"][0]["logprobs"]["tokens"]]
+    assert again == before and pair.ffn.poll() is None, (before, again)
+    assert "AFD FFN rank 0: a group formed" in tail(pair.ffn_log, 50000)
+    first_log = tail(first_ffn_log, 50000)
+    assert "waiting for its first group" in first_log, first_log[-3000:]
     print(f"FFN killed: {STREAMS} streams ended within {ended_s:.2f}s (timeout_s={OUTAGE_TIMEOUT_S}), a new request "
           f"failed in {new_s:.2f}s; recovery: first successful request {recovered - ffn_up:.2f}s after the restarted "
           f"FFN server was healthy ({recovered - restarted:.1f}s after it was started)")
