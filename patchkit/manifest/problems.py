@@ -17,7 +17,9 @@ def field_name(path: FieldPath) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One finding in one manifest file; prints as ``file:line: field: message``."""
+    """One finding in one manifest file; prints as ``file:line: field: message``, with what UTF-8 cannot encode
+    (a lone surrogate a YAML escape made, in a key or a value) escaped as ``\\udXXX``, so every log, terminal and
+    report can carry it."""
 
     file: str
     line: int
@@ -25,4 +27,5 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.field or '<document>'}: {self.message}"
+        text = f"{self.file}:{self.line}: {self.field or '<document>'}: {self.message}"
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -522,3 +522,21 @@ def test_activate_with_detected_runtime_reports_bad_manifest(
 def test_enough_cases() -> None:
     assert len(CASES) >= 35
     assert len({c.id for c in CASES}) == len(CASES)
+
+
+def test_a_lone_surrogate_in_a_key_is_named_printably(tmp_path: Path) -> None:
+    """A YAML escape can make a lone surrogate, which no UTF-8 log or terminal takes: the problem escapes it."""
+    path = tmp_path / "m.yaml"
+    path.write_text(m('''
+        - id: a
+          "x\\ud800y": 1
+          target: pkvictim:f
+          op: wrap
+          with: pkvictim.repl:shout
+          why: make f loud
+        '''))
+    with pytest.raises(ManifestError) as caught:
+        manifest.load(path)
+    message = str(caught.value)
+    message.encode("utf-8")
+    assert f"{path}:10: patches[0].x\\ud800y: unknown key" in message, message
