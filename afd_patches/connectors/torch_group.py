@@ -433,14 +433,22 @@ class TorchGroupTransport(Transport):
         """One small message per FFN/attention pair, so NCCL builds its communicators here, bounded."""
         flag = torch.zeros(1, dtype=torch.int64, device=self.device)
         for peer in peers:
-            op = self.pg.send if is_sender else self.pg.recv
-            self.wait(op([flag], peer, TAG_WARMUP), peer, timeout_s)
+            self.wait(self._post(self.pg.send if is_sender else self.pg.recv, flag, peer, TAG_WARMUP), peer,
+                      timeout_s)
+
+    def _post(self, op: Any, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        """``op([tensor], peer, tag)``, the group's send or receive; gloo raises at once when it already knows the
+        pair closed, which becomes the typed ``LinkClosed`` (``_error``) as in ``wait``."""
+        try:
+            return op([tensor], peer, tag)
+        except RuntimeError as e:
+            raise self._error(e, peer, 0.0, 0.0) from e
 
     # ---------------------------------------------------------------- receiving
     def _post_header(self, peer: int) -> tuple[torch.Tensor, Any]:
         if peer not in self._posted:
             buf = torch.empty(wire.HEADER_BYTES + self.inline_bytes, dtype=torch.uint8, device=self.device)
-            self._posted[peer] = (buf, self.pg.recv([buf], peer, TAG_HEADER))
+            self._posted[peer] = (buf, self._post(self.pg.recv, buf, peer, TAG_HEADER))
         return self._posted[peer]
 
     def next_header(self, peer: int, timeout_s: float) -> wire.Header:
@@ -460,7 +468,7 @@ class TorchGroupTransport(Transport):
             return message[wire.HEADER_BYTES : wire.HEADER_BYTES + nbytes].view(dtype).view(header.shape)
         out = torch.empty(header.shape, dtype=dtype, device=self.device)
         if nbytes:
-            self.wait(self.pg.recv([out], peer, TAG_PAYLOAD), peer, timeout_s)
+            self.wait(self._post(self.pg.recv, out, peer, TAG_PAYLOAD), peer, timeout_s)
         return out
 
     def first(self, peers: list[int], timeout_s: float) -> int | None:

@@ -24,7 +24,8 @@ from afd_patches.config import AfdConfig
 from afd_patches.connectors import auth, liveness, session, wire
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.connectors.torch_dist import TorchDistConnector
-from afd_patches.connectors.torch_group import MacStore, StoreTampered
+from afd_patches.connectors.torch_group import MacStore, StoreTampered, TorchGroupTransport
+from afd_patches.connectors.transport import LinkClosed
 from harness.crowd import CROWD, flood
 from harness.env import free_port
 from tests.afd.test_connector import (
@@ -347,3 +348,22 @@ def test_the_gate_remembers_a_bounded_number_of_addresses() -> None:
     finally:
         gate.close()
         listener.close()
+
+
+class _ClosedPairs:
+    """A gloo group whose pair to every peer is known closed: posting a send or receive raises at once."""
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+
+    send = recv
+
+
+def test_posting_on_a_pair_gloo_knows_closed_is_a_typed_link_closed() -> None:
+    """Seen in a loaded run: the FFN killed, the attention rank's farewell check posted a header receive and gloo
+    raised its RuntimeError there, which ended the rank untyped (the keeper re-forms on ConnectorError only)."""
+    transport = TorchGroupTransport(_ClosedPairs(), "gloo", torch.device("cpu"), 1.0, 0)
+    for post in (lambda: transport.next_header(3, 0.0), lambda: transport.warm_up([3], False, 1.0),
+                 lambda: transport.first([3], 0.0)):
+        with pytest.raises(LinkClosed, match="connection to global rank 3 closed"):
+            post()
