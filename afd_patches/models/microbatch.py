@@ -12,7 +12,8 @@ attention of micro-batch 1 runs while the FFN computes layer L of micro-batch 0;
 the order they were sent, which is the order the micro-batches wait for them.
 
 Per micro-batch ``k`` the thread sees vLLM's forward context with ``attn_metadata[k]`` and
-``slot_mapping[k]`` and no ``ubatch_slices`` (it is entered when the thread takes the baton and left when
+``slot_mapping[k]`` (and ``is_padding[k]`` where that is a list, as AFD's Model Runner V2 path gives it) and no
+``ubatch_slices`` (it is entered when the thread takes the baton and left when
 it hands it on, so the one process-wide context is always the running micro-batch's), and the input ids,
 positions and embeddings of its token slice. The step's output is the slices' outputs concatenated in
 token order, as the unsplit forward returns it.
@@ -155,9 +156,11 @@ class MicroBatchRunner:
         if extra:
             raise NotImplementedError(f"AFD micro-batches: model inputs {extra} cannot be split yet")
         slot = context.slot_mapping
+        padding = getattr(context, "is_padding", None)  # a list under Model Runner V2 (micro_batches_v2), per slice
+        per_slice = {"is_padding": padding} if isinstance(padding, list) else {}
         contexts = [dataclasses.replace(context, attn_metadata=context.attn_metadata[k],
                                         slot_mapping=slot[k] if isinstance(slot, list) else slot,
-                                        ubatch_slices=None)
+                                        ubatch_slices=None, **{key: v[k] for key, v in per_slice.items()})
                     for k in range(len(slices))]
         baton = Baton(contexts)
         outputs: list[torch.Tensor | None] = [None] * len(slices)

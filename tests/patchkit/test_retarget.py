@@ -423,7 +423,7 @@ def test_round_trip_against_real_wheels(release):
     by_id = {e.id: e for e in (*committed.entries, *committed.requires)}
     lines = committed_text.splitlines()
     for entry_id, found in flagged.items():
-        if entry_id in removed:
+        if entry_id.removeprefix("require:") in removed:  # a requirement's id is "require:<target>"
             continue
         assert by_id[entry_id].fingerprint == found, f"{entry_id}: re-pinned to something other than the tree's"
         i = next(n for n, line in enumerate(lines) if line.strip().startswith("fingerprint:") and found in line)
@@ -439,13 +439,12 @@ def test_round_trip_against_real_wheels(release):
 
 
 @pytest.mark.vllm
-def test_034_manifest_fits_its_wheel_without_micro_batches():
-    """vllm-0.34.yaml (retargeted from vllm-0.33.yaml, reviewed) against the CUDA 0.34.0 wheel: every entry fits
-    and the one feature refused is micro-batches (vLLM 0.34 deleted the V1 runner its requirements name).
+def test_034_manifest_fits_its_wheel_with_micro_batches_on_mrv2():
+    """vllm-0.34.yaml (retargeted from vllm-0.33.yaml, reviewed) against the CUDA 0.34.0 wheel: every entry fits and
+    no feature is refused (micro-batches take Model Runner V2's path; the V1 runner's entries are removed).
 
-    Not in test_round_trip_against_real_wheels: it adds an entry (afd.ffn-skips-jit-warmup), and retarget
-    --reviewed flags a requirement kept on purpose while its target is missing every time (patchkit has no
-    reviewed-missing state), so the text would not come back unchanged."""
+    Not in test_round_trip_against_real_wheels: it adds an entry (afd.ffn-skips-jit-warmup) and removes the V1
+    runner's, so retargeting 0.33's file does not give its text back unchanged."""
     wheel = _wheel("0.34.0")
     path = REPO / "manifests" / "afd" / "vllm-0.34.yaml"
     text = path.read_text()
@@ -455,7 +454,8 @@ def test_034_manifest_fits_its_wheel_without_micro_batches():
     code, out = run_check(path, str(wheel), fmt="json")
     summary = json.loads(out)["summary"]
     assert code == 0, out
-    assert summary["failing"] == [] and list(summary["features_refused"]) == ["micro-batches"], summary
+    assert summary["failing"] == [] and list(summary["features_refused"]) == [], summary
+    assert {"afd.micro-batch-steps-v2", "afd.micro-batch-runner-v2"} <= {e.id for e in committed.entries}
 
 
 def test_review_mark_inside_a_block_scalar_is_content(trees, tmp_path):
