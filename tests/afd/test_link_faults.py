@@ -239,6 +239,7 @@ def test_an_idle_attention_rank_finds_the_keepalives_and_goes_on(schedule: str, 
     port, timeout_s, idle_s = free_port(), 2.0, 6.0
     queue = _CTX.Queue()
     procs = [start(ffn_worker, make_config("ffn", 0, port, a=a, timeout_s=timeout_s, schedule=schedule), queue)]
+    afd_probe.wait_listening("127.0.0.1", port, 30)  # a slow start of the FFN process is not what this tests
     procs += [start(idling_attention, make_config("attention", r, port, a=a, timeout_s=timeout_s,
                                                   schedule=schedule), idle_s, 2, queue) for r in range(a)]
     got = collect(queue, {"ffn0", *(f"attention{r}" for r in range(a))}, idle_s + 30)
