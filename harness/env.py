@@ -10,8 +10,10 @@ engine driver (``harness.engine``) switches it off for its engines.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,8 +34,33 @@ def vllm_env(**extra: str) -> dict[str, str]:
     return {**env, **BASE_ENV, **extra}
 
 
+# Ports the tests hand out: below Linux's default ephemeral range (32768-60999), where the kernel places the ports
+# it picks itself (vLLM's own listeners, every client's source port), in one slice per pytest session or worker.
+PORTS_FROM, PORTS_SLICE, PORTS_SLICES = 20000, 2000, 6
+_ports: Iterator[int] | None = None
+
+
+def _slice_ports() -> Iterator[int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    start, first = PORTS_FROM + (index % PORTS_SLICES) * PORTS_SLICE, os.getpid() % PORTS_SLICE
+    return (start + (first + i) % PORTS_SLICE for i in itertools.count())
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the usual race: another process may take it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago. Taken in turn from this process's slice (a pytest-xdist
+    worker ``gwN`` has slice N + 1, a session without workers slice 0), so neither a port the kernel hands out nor
+    one another worker picks can take it meanwhile; another process of the same session still can (the usual race,
+    now among that session's own processes only)."""
+    global _ports
+    if _ports is None:
+        _ports = _slice_ports()
+    for _ in range(PORTS_SLICE):
+        port = next(_ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port among the {PORTS_SLICE} of this process's slice")

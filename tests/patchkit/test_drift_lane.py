@@ -47,7 +47,8 @@ def test_a_feature_the_manifest_refuses_on_its_own_release_is_not_drift(tmp_path
     shutil.copytree(REPO / "manifests" / "afd", folder)
     m034 = folder / "vllm-0.34.yaml"
     text = m034.read_text()
-    kept = "  - target: vllm.v1.worker.ubatch_utils:gone_in_this_release\n    pin: exists\n    feature: micro-batches\n"
+    kept = ("  - target: vllm.v1.worker.ubatch_utils:gone_in_this_release\n    pin: exists\n"
+            "    feature: micro-batches\n    why: kept on purpose while its release lacks it\n")
     m034.write_text(text.replace("\nrequires:\n", "\nrequires:\n" + kept, 1))
     wheel = str(_wheel("0.34.0"))
     assert drift_lane.refused_on_own_release(m034, wheel) == {"micro-batches"}
