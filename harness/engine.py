@@ -13,21 +13,19 @@ repository root). SPEC keys: ``mode`` (plain | attention | ffn), ``model``, ``pr
 (token-id lists), ``max_tokens``, ``logprobs``, ``out`` (result JSON path); for the AFD
 roles ``arch`` (the AFD architecture) and ``afd`` (the ``additional_config["afd"]`` mapping);
 for a plain run optionally ``additional_config`` and ``hf_overrides`` as given (a run that
-asks for AFD the wrong way). Optional: ``compiled`` (default false: eager), ``multiprocessing``
-(vLLM's own process split: front end, engine core, worker; default off: one process), ``env``
-(extra environment variables), ``max_num_batched_tokens`` (vLLM's; small values make mixed prefill/decode
-steps), ``tensor_parallel_size`` and ``enable_expert_parallel`` (vLLM's; a TP engine's ``collective_rpc``
-results list its TP ranks in order), ``ffn_wait_s``, ``ready_flag`` (a file created once the engine
-is up), ``generate`` (default true; false for an idle attention rank), ``again_after_s`` and ``again_when`` (idle that
-long after generating, and until those files exist, then generate the same prompts again into ``again``; either
-asks for it), ``rounds`` (lists of files: once each list exists, the same prompts again, into ``rounds``),
-``generated_flag`` (a file created once the first generation is done), ``done_flag`` (a file created once
-generation is done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to
-keep an idle rank up while a busy one works), ``runner`` (``mrv2``: vLLM's Model Runner V2, run under Triton's
-interpreter with the test-only stand-in CPU backend of ``harness.triton_cpu``; default: the runner vLLM picks,
-V1 on this CPU build). Writes ``{"tokens", "logprobs", "stats",
-"seconds", "worker_cls", "model_runner"}`` (the kind and class of the worker's model runner; one-process
-engines only, ``multiprocessing`` off). Each engine process
+asks for AFD the wrong way). Optional: ``compiled`` (default false: eager), ``multiprocessing`` (vLLM's own process
+split: front end, engine core, worker; default off: one process), ``env`` (extra environment variables),
+``max_num_batched_tokens`` (vLLM's; small values make mixed prefill/decode steps), ``tensor_parallel_size`` and
+``enable_expert_parallel`` (vLLM's; a TP engine's ``collective_rpc`` results list its TP ranks in order),
+``ffn_wait_s``, ``ready_flag`` (a file created once the engine is up), ``generate`` (default true; false for an idle
+attention rank), ``again_after_s`` (idle that long after generating, then generate the same prompts again into
+``again``), ``rounds`` (lists of files: once each list exists, the same prompts again, into ``rounds``),
+``generated_flag`` (a file created once the first generation is done), ``done_flag`` (a file created once generation
+is done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to keep an idle rank up
+while a busy one works), ``runner`` (``mrv2``: vLLM's Model Runner V2, run under Triton's interpreter with the
+test-only stand-in CPU backend of ``harness.triton_cpu``; default: the runner vLLM picks, V1 on this CPU build).
+Writes ``{"tokens", "logprobs", "stats", "seconds", "worker_cls", "model_runner"}`` (the kind and class of the
+worker's model runner; one-process engines only, ``multiprocessing`` off). Each engine process
 runs in ``harness.env.vllm_env`` with
 thread binding off (``VLLM_CPU_OMP_THREADS_BIND=nobind``) and ``cwd`` the repository root.
 
@@ -261,6 +259,11 @@ def _runner_name(worker: Any) -> str:
     return runner_name(worker.model_runner)
 
 
+def _round(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec's prompts generated once more: ``tokens``, ``logprobs``, ``finish_reasons``."""
+    return dict(zip(("tokens", "logprobs", "finish_reasons"), _generate(llm, spec), strict=True))
+
+
 def _wait_for_files(paths: list[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not all(Path(p).exists() for p in paths):
@@ -297,15 +300,12 @@ def main(spec_path: str) -> None:
             result["seconds"]["generate"] = time.monotonic() - t1
             if spec.get("generated_flag"):
                 Path(spec["generated_flag"]).write_text("done")
-            if spec.get("again_after_s") or spec.get("again_when"):  # idle, then the same prompts once more
-                time.sleep(spec.get("again_after_s", 0))
-                _wait_for_files(spec.get("again_when", []), spec.get("ffn_wait_s", 120.0))
-                result["again"] = dict(zip(("tokens", "logprobs", "finish_reasons"), _generate(llm, spec),
-                                           strict=True))
+            if spec.get("again_after_s"):  # idle, then the same prompts once more
+                time.sleep(spec["again_after_s"])
+                result["again"] = _round(llm, spec)
             for files in spec.get("rounds", []):  # the same prompts once more as each list of files exists
                 _wait_for_files(files, spec.get("ffn_wait_s", 120.0))
-                result.setdefault("rounds", []).append(
-                    dict(zip(("tokens", "logprobs", "finish_reasons"), _generate(llm, spec), strict=True)))
+                result.setdefault("rounds", []).append(_round(llm, spec))
         if spec.get("done_flag"):
             Path(spec["done_flag"]).write_text("done")
         _wait_for_files(spec.get("wait_for", []), spec.get("ffn_wait_s", 120.0))

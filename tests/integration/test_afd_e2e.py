@@ -272,7 +272,7 @@ def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
         attn_specs.append(spec)
     idle_phase = family == "llama"
     if idle_phase:  # rank 0 again once rank 1 is done (rank 1 idles until rank 0 is done)
-        attn_specs[0]["again_when"] = [flags[1]]
+        attn_specs[0]["rounds"] = [[flags[1]]]
     plain, (ffn, *attns) = _run_with_plain(
         workdir, family, [_spec(f"{family}-2a-ffn", "ffn", model, family, {**afd, "role": "ffn"}), *attn_specs])
     for attn in attns:
@@ -280,7 +280,7 @@ def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
     _check_roles(ffn, attns, schedule)
     if not idle_phase:
         return
-    _assert_same_outputs(plain, attns[0]["again"])
+    _assert_same_outputs(plain, attns[0]["rounds"][0])
     busy, idle = (a["stats"][0] for a in attns)
     if schedule == "batched":
         assert idle["idle_steps"] > 0  # zero-token steps while the other rank worked
