@@ -114,12 +114,12 @@ def refuse_unless_split(runner: Any, micro_batches: int, records: list[dict[str,
     engine fails at start, naming the runner and each such entry's outcome, and its FFN role is never joined."""
     if micro_batches <= 1:
         return
-    kind = runner_kind(runner)
     outcomes = {r["id"]: f"{r['outcome']}" + (f" ({r['reason']})" if r.get("reason") else "") for r in records}
-    missing = [f"{i}: {outcomes.get(i, 'not in the manifest for this vLLM release')}"
-               for i in SPLITTING_ENTRIES[kind] if not outcomes.get(i, "").startswith("applied")]
     if MRV2_STANDALONE_MODULE in {cls.__module__ for cls in type(runner).__mro__}:
         missing = ["vLLM's standalone CPU runner does not run the MRV2 code those entries wrap"]
+    else:
+        missing = [f"{i}: {outcomes.get(i, 'not in the manifest for this vLLM release')}"
+                   for i in SPLITTING_ENTRIES[runner_kind(runner)] if not outcomes.get(i, "").startswith("applied")]
     if missing:
         raise ValueError(
             f"AFD micro-batches (connector_extra_config.micro_batches={micro_batches}) cannot run on this vLLM's "
@@ -135,12 +135,11 @@ def _arguments(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     return bound.arguments
 
 
-def _cache_kinds(runner: Any) -> tuple[bool, bool]:
-    """(MLA attention, recurrent state) among the runner's KV cache groups."""
+def cache_kinds(kv_cache_config: Any) -> tuple[bool, bool]:
+    """(MLA attention, recurrent state) among the KV cache groups of ``kv_cache_config`` (a runner's; None: none)."""
     from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
 
-    config = getattr(runner, "kv_cache_config", None)
-    specs = [g.kv_cache_spec for g in config.kv_cache_groups] if config is not None else []
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups] if kv_cache_config is not None else []
     return any(isinstance(s, MLAAttentionSpec) for s in specs), any(isinstance(s, MambaSpec) for s in specs)
 
 
@@ -162,7 +161,7 @@ def split_afd_steps(original: Callable[..., Any], runner: Any, *args: Any, **kwa
     num_tokens = int(call["num_tokens"])
     if not call["allow_microbatching"] or num_tokens < max(min_tokens, micro_batches):
         return result
-    mla, recurrent = _cache_kinds(runner)
+    mla, recurrent = cache_kinds(getattr(runner, "kv_cache_config", None))
     if mla or (recurrent and _cuts_a_request(call["num_scheduled_tokens_np"], num_tokens, micro_batches)):
         return result
     return (result[0], result[1], True, *result[3:])

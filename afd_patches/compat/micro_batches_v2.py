@@ -100,7 +100,6 @@ def runner_class() -> type:
     vLLM's MRV2 modules is left to processes that run it)."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.forward_context import create_forward_context, get_forward_context, override_forward_context
-    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
     from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
     from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner, UBatchState
     from vllm.v1.worker.ubatch_utils import UBatchSlice
@@ -127,12 +126,10 @@ def runner_class() -> type:
                                     for _ in range(self.num_ubatches)]
             self.ubatch_dcp_local_seq_lens = [None] * self.num_ubatches
             self._pending_finish = None
-            specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-            self.unsplit_model = next((type(s).__name__ for s in specs if isinstance(s, MLAAttentionSpec | MambaSpec)),
-                                      None)
+            self.unsplit_model = any(micro_batches.cache_kinds(kv_cache_config))  # MLA or recurrent state
 
         def _vetoed(self, input_batch: Any, block_tables: tuple[Any, ...]) -> bool:
-            if self.unsplit_model is not None:
+            if self.unsplit_model:
                 return True
             n = input_batch.num_reqs
             computed = input_batch.num_computed_tokens_np[:n]
