@@ -413,21 +413,18 @@ class TorchGroupTransport(Transport):
         nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
         inline = 0 < nbytes <= self.inline_bytes
         header = wire.encode([*words[:7], int(inline), *words[8:]], self.device).view(torch.uint8)
-        try:
-            if inline:
-                assert tensor is not None
-                message = torch.empty(wire.HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.device)
-                message[: wire.HEADER_BYTES] = header
-                message[wire.HEADER_BYTES :] = tensor.reshape(-1).view(torch.uint8)
-                return _Sends(self, peer, [self.pg.send([message], peer, TAG_HEADER)], [message])
-            works, keep = [self.pg.send([header], peer, TAG_HEADER)], [header]
-            if nbytes:
-                assert tensor is not None
-                works.append(self.pg.send([tensor], peer, TAG_PAYLOAD))
-                keep.append(tensor)
-            return _Sends(self, peer, works, keep)
-        except RuntimeError as e:
-            raise self._error(e, peer, 0.0, 0.0) from e
+        if inline:
+            assert tensor is not None
+            message = torch.empty(wire.HEADER_BYTES + nbytes, dtype=torch.uint8, device=self.device)
+            message[: wire.HEADER_BYTES] = header
+            message[wire.HEADER_BYTES :] = tensor.reshape(-1).view(torch.uint8)
+            return _Sends(self, peer, [self._post(self.pg.send, message, peer, TAG_HEADER)], [message])
+        works, keep = [self._post(self.pg.send, header, peer, TAG_HEADER)], [header]
+        if nbytes:
+            assert tensor is not None
+            works.append(self._post(self.pg.send, tensor, peer, TAG_PAYLOAD))
+            keep.append(tensor)
+        return _Sends(self, peer, works, keep)
 
     def warm_up(self, peers: list[int], is_sender: bool, timeout_s: float) -> None:
         """One small message per FFN/attention pair, so NCCL builds its communicators here, bounded."""
@@ -437,8 +434,9 @@ class TorchGroupTransport(Transport):
                       timeout_s)
 
     def _post(self, op: Any, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        """``op([tensor], peer, tag)``, the group's send or receive; gloo raises at once when it already knows the
-        pair closed, which becomes the typed ``LinkClosed`` (``_error``) as in ``wait``."""
+        """``op([tensor], peer, tag)``, the group's send or receive (every post of this transport goes through here);
+        gloo raises at once when it already knows the pair closed, which becomes the typed ``LinkClosed``
+        (``_error``) as in ``wait``."""
         try:
             return op([tensor], peer, tag)
         except RuntimeError as e:
