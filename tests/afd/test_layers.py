@@ -13,10 +13,9 @@ Every import counts, also a lazy one or one under ``TYPE_CHECKING``. tests/patch
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-from tests.patchkit.test_layers import REPO, lint_imports
+from tests.patchkit.test_layers import lint_broken_copy
 
 VIOLATIONS = {
     # a lower connector layer reaching up, lazily
@@ -33,13 +32,7 @@ VIOLATIONS = {
 
 
 def test_a_violation_of_each_afd_contract_breaks_it(tmp_path: Path) -> None:
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    for package in ("patchkit", "afd_patches"):
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    for rel, text in VIOLATIONS.items():
-        with open(tmp_path / rel, "a") as fh:
-            fh.write(text)
-    result = lint_imports(tmp_path)
+    result = lint_broken_copy(tmp_path, VIOLATIONS)
     out = result.stdout
     assert result.returncode == 1, out + result.stderr
     assert "Contracts: 4 kept, 4 broken." in out, out

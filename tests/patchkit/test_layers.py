@@ -34,6 +34,18 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+def lint_broken_copy(root: Path, violations: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``lint_imports`` on a copy of the tree under ``root`` (pyproject.toml, patchkit, afd_patches) with each of
+    ``violations`` (path relative to the repository: text) appended to its file."""
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    for package in ("patchkit", "afd_patches"):
+        shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for rel, text in violations.items():
+        with open(root / rel, "a") as fh:
+            fh.write(text)
+    return lint_imports(root)
+
+
 def test_the_import_contracts_hold() -> None:
     result = lint_imports(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -48,20 +60,15 @@ VIOLATIONS = {
     "patchkit/runtime/rebind.py": "\nfrom patchkit.runtime import hooks\n",
     # a lower layer using the public API it sits under
     "patchkit/manifest/inherit.py": "\nfrom patchkit import activate\n",
+    # the plugin reaching past the public API, under TYPE_CHECKING
+    "afd_patches/__init__.py": ("\nTYPE_CHECKING = False\nif TYPE_CHECKING:\n"
+                                "    from patchkit.runtime.engine import Run\n"),
 }
 
 
 def test_a_violation_of_each_contract_breaks_it(tmp_path: Path) -> None:
     """A copy of the tree with one violation per contract: ``lint-imports`` exits 1 and names each."""
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    shutil.copytree(PACKAGE, tmp_path / "patchkit", ignore=shutil.ignore_patterns("__pycache__"))
-    for rel, text in VIOLATIONS.items():
-        with open(tmp_path / rel, "a") as fh:
-            fh.write(text)
-    shutil.copytree(REPO / "afd_patches", tmp_path / "afd_patches", ignore=shutil.ignore_patterns("__pycache__"))
-    with open(tmp_path / "afd_patches" / "__init__.py", "a") as fh:
-        fh.write("\nTYPE_CHECKING = False\nif TYPE_CHECKING:\n    from patchkit.runtime.engine import Run\n")
-    result = lint_imports(tmp_path)
+    result = lint_broken_copy(tmp_path, VIOLATIONS)
     out = result.stdout
     assert result.returncode == 1, out + result.stderr
     assert "Contracts: 4 kept, 4 broken." in out, out  # the four afd_patches layer contracts kept
