@@ -289,7 +289,7 @@ def _guess(port: int, source: str, until: float) -> int:
     while time.monotonic() < until:
         hello = {"role": "attention", "rank": 0, "fields": {}}
         try:
-            if afd_probe.authenticated(FFN_HOST, port, auth.nonce().hex(), hello).startswith(b'{"afd_refused"'):
+            if afd_probe.authenticated(FFN_HOST, port, auth.nonce().hex(), hello, source).startswith(b'{"afd_refused"'):
                 answered += 1
         except (OSError, ValueError):
             pass
@@ -314,6 +314,7 @@ def test_failed_proofs_back_off_per_address() -> None:
     _join_all([ffn_proc, attn], 10)
     print(f"guesses answered in 4 s: {result}; the real rank joined after {got['attention0']['elapsed']:.2f}s")
     assert result and 1 <= result[0] <= 12, result
+    assert any("wrong token" in line and "127.0.0.7" in line for line in got["ffn0"]["log"]), got["ffn0"]["log"]
     assert got["attention0"]["error"] is None and got["attention0"]["elapsed"] < SLACK_S, got
 
 

@@ -56,8 +56,9 @@ def count(reasons: Counter[str], words: str) -> int:
     return sum(n for why, n in reasons.items() if words in why)
 
 
-def connect(host: str, port: int) -> socket.socket:
-    return socket.create_connection((host, port), timeout=5)
+def connect(host: str, port: int, source: str | None = None) -> socket.socket:
+    """A connection to ``host:port``, from ``source`` (a loopback address) when given."""
+    return socket.create_connection((host, port), timeout=5, source_address=(source, 0) if source else None)
 
 
 def wait_listening(host: str, port: int, timeout_s: float, alive: Callable[[], str | None] = lambda: None) -> None:
@@ -89,9 +90,10 @@ def read_line(sock: socket.socket, timeout: float = 5.0) -> bytes:
     return buf.split(b"\n", 1)[0]
 
 
-def authenticated(host: str, port: int, token: str, hello: dict[str, Any]) -> bytes:
-    """Run the protocol with ``token`` and send ``hello``; everything the host sent after its nonce."""
-    with connect(host, port) as s:
+def authenticated(host: str, port: int, token: str, hello: dict[str, Any], source: str | None = None) -> bytes:
+    """Run the protocol with ``token`` and send ``hello`` (from ``source`` when given); everything the host sent
+    after its nonce."""
+    with connect(host, port, source) as s:
         nj = auth.nonce()
         s.sendall(json.dumps({"afd": session.PROTOCOL, "nonce": nj.hex()}).encode() + b"\n")
         nh = bytes.fromhex(json.loads(read_line(s))["nonce"])
