@@ -322,6 +322,9 @@ class TorchDistConnector(Connector):
         return type(err)(peer, f"AFD {me}: {text}") if isinstance(err, LinkError) else type(err)(f"AFD {me}: {text}")
 
     def _drain(self) -> None:
+        """Wait until this side's own sends completed. Called before the next send and after a received payload,
+        never between a header and its payload: a send above ``inline_bytes`` completes only once the peer posts
+        its receive, and with two micro-batches in flight each side may be waiting for the other's payload."""
         pending, self._pending = self._pending, []
         for handle in pending:
             self._io("a send", self.peers[0], lambda h=handle: h.wait(self.timeout_s))
@@ -367,12 +370,12 @@ class TorchDistConnector(Connector):
             raise ConnectorClosed(f"AFD {self.me()}: {self.describe(peer)} closed while {what} was awaited")
         if header.kind == wire.KIND_DROP:
             raise self._dropped_error(peer, header)
-        self._drain()
         if (header.layer, header.step, header.microbatch) != (layer, step, microbatch):
             self._broken = "layer/step/micro-batch mismatch"
             raise ConnectorError(f"AFD {self.me()}: expected {what}, got layer {header.layer} step {header.step} "
                                  f"micro-batch {header.microbatch} from {self.describe(peer)}")
         out = self._payload(transport, peer, header, what)
+        self._drain()  # after the payload: the FFN takes a later micro-batch's payload only once this answer went
         self.messages_received += 1
         METRICS.add("exchanges")
         METRICS.add("bytes_received", out.numel() * out.element_size())
@@ -416,10 +419,10 @@ class TorchDistConnector(Connector):
                 self._broken = str(e)
                 raise type(e)(f"AFD {self.me()}: {e}") from e
             raise
-        self._drain()
         first = got[0][1]
         what = f"the attention output of layer {first.layer} step {first.step}"
         received = {peer: self._payload(transport, peer, header, what) for peer, header in got}
+        self._drain()  # after the payloads: an attention rank takes this answer only once its next input went
         self.messages_received += len(received)
         METRICS.add("bytes_received", sum(t.numel() * t.element_size() for t in received.values()))
         self._received_at = time.perf_counter()

@@ -32,6 +32,36 @@ What it runs
     (a group timeout of ``timeout_s`` would make NCCL's watchdog abort it); then one exchange
     must still work; then the attention process is killed (SIGKILL) while the FFN idles, and
     the serve loop must report the lost rank within ``timeout_s`` plus slack.
+    ``microbatch`` (call 4, issue 36; expected under 2 minutes, give it 180 s): AFD's micro-batch path as vLLM's
+    Model Runner V2 (MRV2) would run it on CUDA, without vLLM (the attention side is ``microbatch_step.py``). The
+    attention process runs the REAL ``afd_patches.models.microbatch`` (``MicroBatchRunner``: micro-batch 0 in the
+    caller's thread, the others in its threads; the baton, so one micro-batch computes at a time; the hand-over
+    inside ``afd::exchange``), the real ``AfdLink`` and connector, against the FFN process's serve loop. Its toy
+    model: 2 layers of [matmul + RMS norm -> KV-cache write at the context's ``slot_mapping`` -> causal attention
+    over the request's KV rows (masked max) -> residual] -> RMS norm -> ``afd::exchange`` -> residual, over one step
+    of ``--requests`` (new tokens per request, default 8 requests, 512 tokens; micro-batch boundaries fall inside
+    requests, whose second part then reads KV the first part wrote). Variants: unsplit (1), 2 and 3 micro-batches
+    in the forward context MRV2's runner makes (``attn_metadata``, ``slot_mapping`` and ``is_padding`` lists, one
+    entry per micro-batch, and ``ubatch_slices``; ``afd_patches/compat/micro_batches_v2.py``), and on CUDA 2 and 3
+    again with each micro-batch's compute on its own ``torch.cuda.Stream``, an event recorded at every hand-over
+    and waited for by the next micro-batch's stream (what vLLM's ``UBatchRunner`` does with streams). One
+    ``microbatch`` line per variant; ok when: output and KV cache bitwise equal to the unsplit step's (or, only
+    where the kernels themselves give a row other bits on fewer rows, ``kernels_row_independent`` false, bitwise
+    equal to the same split computed without AFD); the FFN's serve loop served exactly micro-batches x layers
+    messages per step (its own count, ``ffn_exchanges_per_step``); every layer call, before and after its
+    exchange, saw its own micro-batch's context (its metadata, slot mapping and padding entry, no slices) and
+    rows; the layers ran in the schedule's order (per layer, micro-batch 0..N-1: ``schedule``), never two
+    micro-batches computing at once (``overlaps``), each micro-batch in its own thread; ``--reps`` more steps
+    bitwise equal too. Reported: µs per step and per exchange (medians) next to the same split without AFD, and
+    on CUDA the current device each micro-batch's thread ran on. vLLM is absent on the device, so the attention
+    process installs a stand-in for ``vllm.forward_context`` (only the names microbatch.py uses, with vLLM's
+    contract; see ``microbatch_step.py``). With NCCL (two GPUs) the connector options' refusal of
+    ``micro_batches`` > 1 on NCCL is lifted in both processes (``nccl_micro_batches_forced``), to learn what NCCL
+    does with it; on one GPU gloo carries the CUDA tensors, as in ``exchange``. It has not run on a GPU yet: only
+    its CPU self-test has run (gloo, no streams).
+    Found by that self-test (2026-12-04) and fixed in the connector: on gloo with 2 or more micro-batches, a
+    payload above ``inline_bytes`` deadlocked both sides (each waited for its own earlier send before taking the
+    other's payload); ``--hidden 256 --requests 100,60,140`` on CPU is that case (test_gpu_check.py runs it).
 
 Backends and devices
     ``--backend nccl`` (default with CUDA) needs two GPUs for the data path: with two, FFN on
@@ -46,7 +76,10 @@ How to run (repository root; a machine lent for a session takes the working tree
     python scripts/gpu_check/check.py exchange            # call 1, give it 300 s
     python scripts/gpu_check/check.py idle                # call 2, give it 300 s
     python scripts/gpu_check/check.py piecewise           # call 3, give it 180 s
+    python scripts/gpu_check/check.py microbatch          # call 4, give it 180 s
     python scripts/gpu_check/check.py exchange --device cpu --hidden 256 --reps 5   # CPU self-test
+    python scripts/gpu_check/check.py microbatch --device cpu --hidden 64 --requests 7,1,12,3,9 --reps 3
+        (its CPU self-test, about 10 s; tests/tooling/test_gpu_check.py runs it)
     Each prints one JSON line per check (``CHECK {...}``) and ends with ``GPU_CHECK PASS`` or
     ``GPU_CHECK FAIL``; the exit status is 0 only for PASS. Results go in docs/benchmarks.md.
 """
@@ -102,11 +135,17 @@ def make_config(role: str, port: int, opts: dict[str, Any]) -> Any:
     extra: dict[str, Any] = {"backend": opts["backend"]}
     if opts["backend"] == "nccl":
         extra["device"] = opts["devices"][role]
+    if opts.get("micro_batches", 1) > 1:
+        extra["micro_batches"] = opts["micro_batches"]
+    if opts.get("inline_bytes") is not None:
+        extra["inline_bytes"] = opts["inline_bytes"]
     return AfdConfig(role=role, port=port, timeout_s=opts["timeout_s"], connector_extra_config=extra)
 
 
 def identity(opts: dict[str, Any]) -> dict[str, Any]:
-    return {"hidden_size": opts["hidden"], "dtype": opts["dtype"], "max_num_batched_tokens": max(opts["tokens"])}
+    layers = {"num_hidden_layers": opts["layers"]} if opts.get("layers") else {}  # bounds a header's layer
+    return {"hidden_size": opts["hidden"], "dtype": opts["dtype"], "max_num_batched_tokens": max(opts["tokens"]),
+            **layers}
 
 
 def setup(role: str, opts: dict[str, Any]) -> torch.device:
@@ -119,7 +158,27 @@ def setup(role: str, opts: dict[str, Any]) -> torch.device:
         from afd_patches.connectors import torch_group
 
         torch_group.device_identity = lambda d: f"forced-distinct-{role}"
+    if opts.get("force_micro_batches_on_nccl"):
+        force_micro_batches_on_nccl()
     return device
+
+
+def force_micro_batches_on_nccl() -> None:
+    """Lift, in this process only, the connector options' refusal of ``micro_batches`` > 1 on NCCL (``options.py``:
+    "the CUDA-stream schedule is not built yet"), so that ``microbatch`` learns what NCCL does with it: the other
+    keys are parsed by ``Options.parse`` itself, ``micro_batches`` is taken as given (the script's own value)."""
+    import dataclasses
+
+    from afd_patches.connectors import options
+
+    parse = options.Options.parse.__func__  # type: ignore[attr-defined]
+
+    def lifted(cls: type[options.Options], extra: Any) -> options.Options:
+        extra = dict(extra or {})
+        micro = extra.pop("micro_batches", 1)
+        return dataclasses.replace(parse(cls, extra), micro_batches=micro)
+
+    options.Options.parse = classmethod(lifted)  # type: ignore[method-assign, assignment]
 
 
 def _error(e: BaseException) -> dict[str, Any]:
@@ -160,6 +219,8 @@ def ffn_main(port: int, opts: dict[str, Any], inbox: Any, outbox: Any) -> None:
             command = inbox.get(timeout=0.5)
         except queue.Empty:
             command = None
+        if command == "count":  # messages served so far (the ``microbatch`` call's exchange count)
+            outbox.put(("ffn-count", {"batches": worker._afd_batches}))
         if command == "close":
             t0 = time.monotonic()
             worker._afd_stop.set()
@@ -275,7 +336,15 @@ def attention_main(port: int, opts: dict[str, Any], inbox: Any, outbox: Any) -> 
         return y
 
     try:
-        if opts["plan"] == "piecewise":
+        if opts["plan"] == "microbatch":
+            import microbatch_step
+
+            for res in microbatch_step.variants(conn, lambda x, layer: ref(x), opts, device, dtype):
+                outbox.put(("microbatch", res))
+                inbox.get(timeout=120)  # the driver reads the FFN's count meanwhile
+            outbox.put(("attention-idle", {}))
+            inbox.get(timeout=120)
+        elif opts["plan"] == "piecewise":
             for res in piecewise_sizes(conn, opts, device, dtype):
                 outbox.put(("piecewise", res))
             outbox.put(("attention-idle", {}))
@@ -306,6 +375,9 @@ def attention_main(port: int, opts: dict[str, Any], inbox: Any, outbox: Any) -> 
             time.sleep(3600)  # idle until killed
     except ConnectorError as e:
         outbox.put(("attention", {"stage": "exchange", **_error(e)}))
+        return
+    except Exception as e:  # noqa: BLE001 - reported to the driver (a check that fails), not a silent exit
+        outbox.put(("attention", {"stage": opts["plan"], **_error(e)}))
         return
     conn.close()
 
@@ -430,6 +502,50 @@ def check_piecewise(opts: dict[str, Any]) -> None:
         pair.end()
 
 
+def ffn_count(pair: Pair, at_least: int) -> int | None:
+    """Messages the FFN's serve loop served so far; asked again for up to a second while below ``at_least`` (it
+    counts a message after sending its answer, so the last answer can arrive before the count moves)."""
+    count = None
+    for _ in range(6):
+        pair.to_ffn.put("count")
+        got = pair.wait_for("ffn-count", 30)
+        count = got["batches"] if got else None
+        if count is None or count >= at_least:
+            return count
+        time.sleep(0.2)
+    return count
+
+
+def check_microbatch(opts: dict[str, Any]) -> None:
+    pair = Pair({**opts, "plan": "microbatch"})
+    try:
+        served = 0
+        for n, streams in opts["variants"]:
+            got = pair.wait_any(["microbatch", "attention"], 240)
+            if got is None or got[0] != "microbatch":
+                report("microbatch", False, micro_batches=n, cuda_streams=streams,
+                       attention=got[1] if got else None, ffn=pair.wait_for("ffn", 1))
+                return
+            res = got[1]
+            expected = res["steps"] * res["exchanges_per_step"]
+            count = ffn_count(pair, served + expected)
+            exchanges = None if count is None else count - served
+            served = count or served
+            # a difference the kernels make on fewer rows, without AFD, is theirs: then equal to the same split
+            equal = res["bitwise_equal_unsplit"] or (res["bitwise_equal_local_same_split"]
+                                                     and not res["kernels_row_independent"])
+            ok = bool(equal and res["timed_steps_equal"] and exchanges == expected and res["contexts_ok"]
+                      and res["schedule_ok"] and res["overlaps"] == 0 and res["threads_distinct"])
+            per_step = None if exchanges is None else exchanges / res["steps"]
+            report("microbatch", ok, ffn_exchanges_per_step=per_step,
+                   nccl_micro_batches_forced=bool(opts.get("force_micro_batches_on_nccl")), **res)
+            pair.to_attn.put("next")
+        pair.wait_for("attention-idle", 30)
+        pair.to_attn.put("done")
+    finally:
+        pair.end()
+
+
 def check_idle(opts: dict[str, Any]) -> None:
     pair = Pair({**opts, "plan": "idle"})
     try:
@@ -458,7 +574,7 @@ def check_idle(opts: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["exchange", "idle", "piecewise"])
+    parser.add_argument("what", choices=["exchange", "idle", "piecewise", "microbatch"])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", choices=["nccl", "gloo"])
     parser.add_argument("--hidden", type=int, default=4096)
@@ -467,6 +583,10 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--idle-s", type=float, default=60.0)
     parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--requests", default="97,1,64,5,130,1,33,181",
+                        help="microbatch: new tokens per request of the step")
+    parser.add_argument("--inline-bytes", type=int,
+                        help="gloo: the connector's inline_bytes (default: the connector's, 64 KiB)")
     args = parser.parse_args()
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     backend = args.backend or ("nccl" if gpus >= 2 else "gloo")
@@ -476,7 +596,14 @@ def main() -> int:
         devices = {"ffn": "cuda:0", "attention": "cuda:1" if gpus >= 2 else "cuda:0"}
     opts = {"backend": backend, "devices": devices, "hidden": args.hidden, "dtype": args.dtype,
             "tokens": [int(t) for t in args.tokens.split(",")], "reps": args.reps, "idle_s": args.idle_s,
-            "timeout_s": args.timeout_s}
+            "timeout_s": args.timeout_s, "inline_bytes": args.inline_bytes}
+    if args.what == "microbatch":
+        from microbatch_step import LAYERS
+
+        requests = [int(r) for r in args.requests.split(",")]
+        variants = [[1, False], [2, False], [3, False]] + ([[2, True], [3, True]] if args.device == "cuda" else [])
+        opts.update(requests=requests, tokens=[sum(requests)], layers=LAYERS, variants=variants,
+                    micro_batches=max(n for n, _ in variants), force_micro_batches_on_nccl=backend == "nccl")
     print("GPU_CHECK " + json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus,
                                      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,
                                      **opts}), flush=True)
@@ -487,6 +614,8 @@ def main() -> int:
         check_exchange(opts)
     elif args.what == "piecewise":
         check_piecewise(opts)
+    elif args.what == "microbatch":
+        check_microbatch(opts)
     else:
         check_idle(opts)
     verdict = "PASS" if RESULTS and all(RESULTS) else "FAIL"
