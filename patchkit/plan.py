@@ -111,7 +111,8 @@ class _Record:
 @dataclass(slots=True, kw_only=True, eq=False, repr=False)
 class Entry(_Record):
     """What every entry has: an id, a ``module:qualname`` target, where it was declared
-    (``source``: ``file:line``, through ``extends``), a pinned fingerprint and the drift policy."""
+    (``source``: ``file:line``, through ``extends``), a pinned fingerprint and the drift policy, and the
+    review note of that fingerprint, if any."""
 
     kind: ClassVar[str] = ""
     id: str
@@ -120,6 +121,7 @@ class Entry(_Record):
     fingerprint: str | None = None
     on_drift: str = "fail"
     why: str = ""
+    reviewed: str | None = None  # a maintainer's review note (the manifest's ``reviewed``); nothing runs on it
 
     @property
     def module(self) -> str:

@@ -278,6 +278,7 @@ def _change(p: dict[str, Any], defaults: dict[str, Any], source: str) -> Change:
     rebind = p.get("rebind", defaults.get("rebind", "auto"))
     common: dict[str, Any] = {
         "id": p["id"], "target": p["target"], "source": source, "fingerprint": p.get("fingerprint"),
+        "reviewed": p.get("reviewed"),
         "after": tuple(p.get("after", [])), "when": p.get("when", {}),
         "rebind": tuple(rebind) if isinstance(rebind, list) else rebind,
         "on_drift": p.get("on_drift", defaults.get("on_drift", "fail")),
@@ -298,7 +299,8 @@ def _build(doc: dict[str, Any], lines: Resolved, file: str) -> Manifest:
     if workers:
         entries.append(WorkerOverride(
             id=WORKERS_ENTRY_ID, target=workers["at"], source=_source(lines, ("workers",)),
-            fingerprint=workers.get("fingerprint"), after=tuple(workers.get("after", [])),
+            fingerprint=workers.get("fingerprint"), reviewed=workers.get("reviewed"),
+            after=tuple(workers.get("after", [])),
             rebind="none", on_drift=workers.get("on_drift", defaults.get("on_drift", "fail")),
             why="select role-specific worker classes when worker_cls is 'auto'",
             role_of=workers["role_of"], overrides=tuple(workers["overrides"]),
@@ -310,7 +312,8 @@ def _build(doc: dict[str, Any], lines: Resolved, file: str) -> Manifest:
     )
     requires = tuple(
         Requirement(id=f"require:{r['target']}", target=r["target"], source=_source(lines, ("requires", i)),
-                    fingerprint=r.get("fingerprint"), pin=r["pin"], indirect=r.get("indirect", False),
+                    fingerprint=r.get("fingerprint"), reviewed=r.get("reviewed"), pin=r["pin"],
+                    indirect=r.get("indirect", False),
                     feature=r.get("feature"),
                     on_drift=r.get("on_drift", defaults.get("on_drift", "fail")), why=r["why"])
         for i, r in enumerate(doc.get("requires", []))

@@ -10,14 +10,14 @@ shows as a change of every entry that inherits it. What is compared:
 - ``patches``: entries added / removed, and per kept id the fields ``target``,
   ``op``, ``with``, ``value``, ``when``, ``after``, ``fingerprint`` (with
   whether the signature or only the body hash moved), ``rebind``, ``on_drift``,
-  ``required``, ``why``, ``upstream``, ``retire_when``;
+  ``required``, ``why``, ``upstream``, ``retire_when``, ``reviewed`` (the review note);
 - ``order``: the applied order (``patchkit.manifest.select.order``) of the entries
   both manifests have, when their relative order differs;
 - ``requires``: requirements added / removed (by target), and per kept
-  target ``pin``, ``fingerprint``, ``on_drift``, ``indirect``, ``feature``, ``why``;
+  target ``pin``, ``fingerprint``, ``on_drift``, ``indirect``, ``feature``, ``why``, ``reviewed``;
 - ``models``: registrations added / removed / changed (``class``, ``when``);
 - ``workers`` (the entry with op ``workers``): ``at``, ``fingerprint``,
-  ``after``, ``on_drift``, ``role_of``, ``overrides``.
+  ``after``, ``on_drift``, ``role_of``, ``overrides``, ``reviewed``.
 
 Comments, key order, quoting and blank lines are not compared: two files that
 differ only there are equal. ``render(changes, fmt, ...)`` gives ``text``,
@@ -55,9 +55,9 @@ from patchkit.plan import Change as Entry  # diff.py has a Change of its own: a 
 
 FORMATS = ("text", "markdown", "json")
 _ENTRY_FIELDS = ("target", "op", "with", "value", "module", "bind", "active_if", "when", "after", "fingerprint",
-                 "rebind", "on_drift", "required", "why", "upstream", "retire_when")
-_REQUIRE_FIELDS = ("pin", "fingerprint", "on_drift", "indirect", "feature", "why")
-_WORKER_FIELDS = ("at", "fingerprint", "after", "on_drift", "role_of", "overrides")
+                 "rebind", "on_drift", "required", "why", "upstream", "retire_when", "reviewed")
+_REQUIRE_FIELDS = ("pin", "fingerprint", "on_drift", "indirect", "feature", "why", "reviewed")
+_WORKER_FIELDS = ("at", "fingerprint", "after", "on_drift", "role_of", "overrides", "reviewed")
 _NULL_DEVICE = "/dev/null"
 
 
@@ -105,17 +105,18 @@ def _entry_view(e: Entry) -> dict[str, Any]:
         "when": e.when, "after": list(e.after), "fingerprint": e.fingerprint,
         "rebind": list(e.rebind) if isinstance(e.rebind, tuple) else e.rebind, "on_drift": e.on_drift,
         "required": e.required, "why": e.why, "upstream": e.upstream, "retire_when": e.retire_when,
+        "reviewed": e.reviewed,
     }
 
 
 def _workers_view(e: WorkerOverride) -> dict[str, Any]:
     return {"at": e.target, "fingerprint": e.fingerprint, "after": list(e.after), "on_drift": e.on_drift,
-            "role_of": e.role_of, "overrides": list(e.overrides)}
+            "role_of": e.role_of, "overrides": list(e.overrides), "reviewed": e.reviewed}
 
 
 def _requirement_view(e: Requirement) -> dict[str, Any]:
     return {"pin": e.pin, "fingerprint": e.fingerprint, "on_drift": e.on_drift, "indirect": e.indirect,
-            "feature": e.feature, "why": e.why}
+            "feature": e.feature, "why": e.why, "reviewed": e.reviewed}
 
 
 def _keyed_changes(section: str, old: dict[str, Any], new: dict[str, Any], view: Any,

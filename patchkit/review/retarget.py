@@ -42,7 +42,7 @@ What changes, and what does not:
   arch) is appended at the end of its section; an entry both set differently
   keeps the reviewed value and is named in ``RetargetResult.notes``. Then every
   entry is decided as above: a reviewed fingerprint the tree still has is kept
-  (``carried`` when a ``# reviewed:`` block sits directly above it), one it no
+  (``carried`` when the entry has a ``reviewed`` note), one it no
   longer has is flagged again below its review. When nothing changed, the output
   is the reviewed file, byte for byte.
 - ``# REVIEW:`` comment lines already in the input (an unreviewed earlier
@@ -90,7 +90,6 @@ from patchkit.review.check import EntryCheck, check_entries
 from patchkit.review.static import SourceTree, TreeError, open_tree
 
 REVIEW_MARK = "# REVIEW:"
-REVIEWED_MARK = "# reviewed:"
 
 
 class RetargetError(PatchkitError):
@@ -369,11 +368,14 @@ def _rename_release(doc: Any, old: str | None, new: str | None) -> None:
         token.value = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w])", new, token.value)
 
 
+_RELEASE_OWN = {"fingerprint", "reviewed"}  # an entry's fields that belong to the release file, not the source
+
+
 def _absorb(doc: Any, source: Any) -> tuple[set[str], list[str]]:
     """Add to the reviewed document ``doc`` what the source manifest has and it lacks: top-level keys, and
     list entries (patches by id, requires by target, models by arch), appended at the end of their section.
-    Returns (the entry ids added, notes naming each entry both have whose fields other than ``fingerprint``
-    differ: the reviewed file's values are kept)."""
+    Returns (the entry ids added, notes naming each entry both have whose fields other than ``fingerprint`` and
+    ``reviewed``, which are the release's own, differ: the reviewed file's values are kept)."""
     added: set[str] = set()
     notes: list[str] = []
     for key, value in source.items():
@@ -391,27 +393,10 @@ def _absorb(doc: Any, source: Any) -> tuple[set[str], list[str]]:
                 _append(doc, key, item)
                 added.update(_entries({key: [item]}))
                 continue
-            differ = sorted(f for f in {*item, *have[ident]} - {"fingerprint"} if item.get(f) != have[ident].get(f))
+            differ = sorted(f for f in {*item, *have[ident]} - _RELEASE_OWN if item.get(f) != have[ident].get(f))
             if differ:
                 notes.append(f"{key} {ident}: the reviewed file's {', '.join(differ)} kept (the source differs)")
     return added, notes
-
-
-def _comment_block_above(lines: list[str], line: int) -> list[str]:
-    """The comment-only lines directly above 0-based ``line`` (stripped), top to bottom."""
-    block: list[str] = []
-    i = line - 1
-    while i >= 0 and lines[i].strip().startswith("#"):
-        block.insert(0, lines[i].strip())
-        i -= 1
-    return block
-
-
-def _is_reviewed(lines: list[str], mapping: Any) -> bool:
-    """Whether the comment block above ``mapping``'s fingerprint line in ``lines`` (the text ``mapping`` was
-    read from) holds a ``# reviewed:`` line."""
-    line = mapping.lc.key("fingerprint")[0]
-    return any(c.startswith(REVIEWED_MARK) for c in _comment_block_above(lines, line))
 
 
 # -- deciding ------------------------------------------------------------------------------------------------
@@ -482,7 +467,7 @@ def retarget_text(text: str, file: str, tree: SourceTree, version: str | None = 
     else:
         commit = tree_commit(tree)
 
-    doc, doc_file, lines = _load(text, file), file, text.splitlines()
+    doc, doc_file = _load(text, file), file
     added: set[str] = set()
     notes: list[str] = []
     if reviewed is not None:
@@ -492,7 +477,7 @@ def retarget_text(text: str, file: str, tree: SourceTree, version: str | None = 
             raise RetargetError(f"{doc_file}: --reviewed must be a release file (it has no vllm: pin)")
         reviewed_doc = _load(reviewed_text, doc_file)
         added, notes = _absorb(reviewed_doc, doc)
-        doc, lines = reviewed_doc, reviewed_text.splitlines()
+        doc = reviewed_doc
         loaded = manifest_mod.parse(_dump(doc), doc_file)
     _drop_review_lines(doc)
     _rename_release(doc, _release(loaded.vllm_version), _release(version) or tree_version)
@@ -515,7 +500,7 @@ def retarget_text(text: str, file: str, tree: SourceTree, version: str | None = 
             elif inherited and entry.fingerprint is not None:
                 _override(doc, entries, entry, [], r.found)
         if (not reason and reviewed is not None and own and entry.id not in added
-                and _is_reviewed(lines, where[0])):
+                and "reviewed" in where[0]):
             decision.action = "carried"
             decision.reasons.append(f"review carried from {doc_file}")
         if reason:
@@ -570,8 +555,8 @@ def summary(result: RetargetResult, source: str, out: str, tree: SourceTree) -> 
         shown = "above" if any(d.diff for d in review) else (
             f"--base <tree of the old pin>, or patchkit check {out} --vllm {tree.location} --base …")
         lines.append(f"For each: read the source diff ({shown}),")
-        lines.append("then confirm it (set the fingerprint to the 'now' value and replace the '# REVIEW:' line")
-        lines.append("with '# reviewed: <why it is safe>') or adapt the entry. The file is written; until")
+        lines.append("then confirm it (set the fingerprint to the 'now' value, delete the '# REVIEW:' line and")
+        lines.append("give the entry 'reviewed: <why it is safe>') or adapt the entry. The file is written; until")
         lines.append("then the flagged entries fail their fingerprint check at run time.")
     return "\n".join(lines) + "\n"
 

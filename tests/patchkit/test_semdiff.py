@@ -158,6 +158,16 @@ def test_target_op_header_and_workers_removed():
         ("header", "changed", "packages", "packages"), ("workers", "removed", "workers", None)}
 
 
+def test_a_review_note_is_a_change_of_its_entry():
+    """A ``reviewed`` note is a field: adding one, or rewording it, shows in the semantic diff of that entry."""
+    reviewed = OLD.replace("    why: second\n", "    why: second\n    reviewed: body diff is logging only\n")
+    reviewed = reviewed.replace('  at: vllm.x:build\n', '  at: vllm.x:build\n  reviewed: >-\n    same signature\n')
+    assert _changes(OLD, reviewed) == {("patches", "changed", "b", "reviewed"),
+                                       ("workers", "changed", "workers", "reviewed")}
+    reworded = reviewed.replace("logging only", "logging and a rename")
+    assert _changes(reviewed, reworded) == {("patches", "changed", "b", "reviewed")}
+
+
 def test_comments_and_formatting_are_not_changes(tmp_path, capsys):
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text(OLD)
