@@ -40,7 +40,7 @@ the role from ``vllm_config.additional_config["afd"]`` and:
   that many round trips per layer; the FFN role holds no state between them.
 
 Limits: no pipeline parallelism (every layer must be local), no LoRA on FFN
-modules; on CUDA only piecewise CUDA graphs (``afd_patches.compat.compilation``). The
+modules; on CUDA only piecewise CUDA graphs (``afd_patches.patches.compilation``). The
 rebinding lasts for the attention model's ``__init__`` only, under patchkit's process-wide lock: another
 thread that builds a plain model of the same vLLM module at that moment would
 get proxies too (vLLM builds one model per worker process). A vLLM whose

@@ -27,7 +27,7 @@ Registered once per process at import (``torch.library``, device-generic
 ``CompositeExplicitAutograd`` kernel). Limits: no autograd (inference only);
 the kernel runs the link's Python code, so it cannot be captured inside a CUDA
 graph: on CUDA it must be in ``splitting_ops`` (see
-``afd_patches.compat.compilation``).
+``afd_patches.patches.compilation``).
 """
 
 from __future__ import annotations

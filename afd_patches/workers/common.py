@@ -12,7 +12,7 @@ with the FFN role. It outlives its FFN role: a step that fails with a
 ``AfdGroupDown`` naming AFD and the FFN's ``host:port``, and the group is
 re-formed in the background at the same address (``afd_patches.workers.regroup``);
 ``afd_group_status()`` reports it to the engine core and the API server, which
-fail the requests and report unhealthy meanwhile (``afd_patches.compat.outage``).
+fail the requests and report unhealthy meanwhile (``afd_patches.patches.outage``).
 
 FFN role (``FfnRoleMixin``): no KV cache (``get_kv_cache_spec() == {}``, so the
 engine starts as for an attention-free model and allocates no cache), prefix
@@ -53,7 +53,7 @@ the FFN rank waits for every attention rank it serves before its one batched
 call. So when an FFN rank serves more than one attention rank, each attention
 worker runs an idle ticker (not with ``schedule: pingpong``, where the FFN rank
 serves each rank's layer as it arrives, nor in a vLLM data-parallel engine that vLLM
-steps with its peers by dummy batches, ``afd_patches.compat.data_parallel``): after
+steps with its peers by dummy batches, ``afd_patches.patches.data_parallel``): after
 ``IDLE_TICK_S`` without a step it runs a zero-token step (every layer, empty
 tensors) through the connector. Busy ranks then wait at most about ``IDLE_TICK_S``
 per step for idle ones; a rank that stalls (no step within ``timeout_s`` of the
@@ -94,12 +94,12 @@ from typing import Any
 import torch
 
 from afd_patches import LOGGER, metrics, trace
-from afd_patches.compat import data_parallel, micro_batches
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import REGISTRY
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout
 from afd_patches.connectors.options import Options
 from afd_patches.models.common import afd_config_of
+from afd_patches.patches import data_parallel, micro_batches
 from afd_patches.workers import tp_group
 from afd_patches.workers.regroup import GroupKeeper
 

@@ -2,7 +2,7 @@
 
 Selected by the manifest on the cuda platform only. Limits as in ``common``;
 the attention role is compiled piecewise with ``afd::exchange`` as a split point
-and full CUDA graphs refused (``afd_patches.compat.compilation``).
+and full CUDA graphs refused (``afd_patches.patches.compilation``).
 
 Model runners: vLLM's GPU worker builds the V2 model runner
 (``vllm.v1.worker.gpu.model_runner``) when Triton works, else the V1 one. The

@@ -25,7 +25,7 @@ formed (``AttentionRoleMixin.load_model``):
   its ``init``) and closes the current connector. Idempotent.
 
 Limits: one connector per worker, as in the rest of the attention role. The
-engine itself decides what happens to requests (``afd_patches.compat.outage``):
+engine itself decides what happens to requests (``afd_patches.patches.outage``):
 the worker only raises and reports.
 """
 

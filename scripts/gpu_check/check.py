@@ -18,7 +18,7 @@ What it runs
       - ``close_while_blocked``: the FFN closes its connector from its main thread while the
         serve thread waits for an idle attention rank; close and the serve thread end in bound.
     ``piecewise`` (call 3, about 1 minute): what AFD's piecewise CUDA graphs do on the attention
-    role (``afd_patches/compat/compilation.py``), without vLLM's compiler: two layers of
+    role (``afd_patches/patches/compilation.py``), without vLLM's compiler: two layers of
     [piece: matmul + RMS norm] -> ``afd::exchange`` (the registered operator, through the real
     connector to the FFN process's serve loop) -> [piece: residual add]; each piece is captured
     once in a ``torch.cuda.CUDAGraph`` and replayed around the eager exchange, for every size in
