@@ -39,7 +39,7 @@ import torch
 
 
 class Exchanger(Protocol):
-    """What the op calls (``afd_patches.models.common.AfdLink`` is one): no import of it, so the layers stay
+    """What the op calls (``afd_patches.models.link.AfdLink`` is one): no import of it, so the layers stay
     one-way (``tests/afd/test_layers.py``)."""
 
     def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor: ...

@@ -98,7 +98,7 @@ from afd_patches.config import AfdConfig
 from afd_patches.connectors import REGISTRY
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout
 from afd_patches.connectors.options import Options
-from afd_patches.models.common import afd_config_of
+from afd_patches.models.causal_lm import afd_config_of
 from afd_patches.patches import data_parallel, micro_batches
 from afd_patches.workers import tp_group
 from afd_patches.workers.regroup import GroupKeeper

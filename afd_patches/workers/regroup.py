@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from afd_patches import LOGGER, metrics
 from afd_patches.connectors.base import ConnectorError
-from afd_patches.models.common import AfdGroupDown, AfdLink
+from afd_patches.models.link import AfdGroupDown, AfdLink
 
 if TYPE_CHECKING:
     from afd_patches.config import AfdConfig

@@ -27,7 +27,7 @@ _TARGETS = {
                                           ("TorchDistConnector", "recv_attn_output"),
                                           ("TorchDistConnector", "send_ffn_output")],
     "afd_patches.workers.common": [(None, "_run_ffn")],
-    "afd_patches.models.common": [("AfdCausalLMMixin", "forward")],
+    "afd_patches.models.causal_lm": [("AfdCausalLMMixin", "forward")],
 }
 
 

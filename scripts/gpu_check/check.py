@@ -191,7 +191,7 @@ def _time_us(fn: Any, reps: int, device: torch.device) -> list[float]:
 def piecewise_sizes(conn: Any, opts: dict[str, Any], device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     """Per size: two layers, pieces captured in CUDA graphs (eager on CPU), the exchange between them."""
     from afd_patches.models import exchange_op
-    from afd_patches.models.common import AfdLink
+    from afd_patches.models.link import AfdLink
 
     hidden = opts["hidden"]
     link = AfdLink(2, hidden, dtype)

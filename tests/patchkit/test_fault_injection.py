@@ -147,7 +147,7 @@ def fk(ref: str) -> str:
 def _scoped_tree() -> dict[str, str]:
     """Fake vLLM model modules and fkafd proxies for the real manifest's scoped-rebind entries."""
     files = {"fkafd/models/__init__.py": "",
-             "fkafd/models/common.py": "def building_attention_model(*args, **kwargs):\n    return False\n"}
+             "fkafd/models/ffn_proxy.py": "def building_attention_model(*args, **kwargs):\n    return False\n"}
     for entry in (p for p in resolved(REAL).doc["patches"] if p["op"] == "scoped-rebind"):
         module, _, qualname = fk(entry["target"]).partition(":")
         owner = qualname.split(".")[0]
