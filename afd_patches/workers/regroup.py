@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(LOGGER)
 
+REFORM_WAIT_S = 7 * 24 * 3600.0  # a group (the first one too) may take as long as a deploy takes
 RETRY_S = 1.0  # pause after a re-formation attempt that failed for another reason than the wait running out
 
 

@@ -3,7 +3,7 @@
 What it runs
     Two processes, an FFN rank and an attention rank, on the real ``TorchDistConnector``
     (``afd_patches/connectors/torch_dist.py``) and the real FFN serve loop
-    (``FfnRoleMixin._afd_serve`` of ``afd_patches/workers/common.py``, in its own thread, on a
+    (``FfnRoleMixin._afd_serve`` of ``afd_patches/workers/ffn.py``, in its own thread, on a
     stand-in worker that holds a bf16 MLP). The connector builds its gloo/NCCL group from torch's own
     classes, so vLLM need not be installed.
 
@@ -134,7 +134,8 @@ def ffn_main(port: int, opts: dict[str, Any], inbox: Any, outbox: Any) -> None:
     device = setup("ffn", opts)
     from afd_patches.config import AfdConfig
     from afd_patches.connectors.base import ConnectorError
-    from afd_patches.workers.common import FfnRoleMixin, build_connector
+    from afd_patches.workers.connection import build_connector
+    from afd_patches.workers.ffn import FfnRoleMixin
 
     worker: Any = FfnRoleMixin.__new__(FfnRoleMixin)
     worker._afd_stop = threading.Event()

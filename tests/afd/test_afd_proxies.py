@@ -89,9 +89,9 @@ def test_without_slots_a_module_nested_under_a_layer_names_no_decoder_layer() ->
 def test_cuda_and_cpu_role_workers_leave_model_construction_to_the_model() -> None:
     """Import check of the CUDA workers: neither kind builds the model itself, so both get the same role split
     (vLLM's model runner builds the AFD model class through its model loader on either device)."""
-    from afd_patches.workers import common, cpu, cuda
+    from afd_patches.workers import attention, cpu, cuda, ffn
 
     for worker in (cuda.CudaAttentionWorker, cpu.CpuAttentionWorker):
-        assert worker.load_model is common.AttentionRoleMixin.load_model
+        assert worker.load_model is attention.AttentionRoleMixin.load_model
     for worker in (cuda.CudaFfnWorker, cpu.CpuFfnWorker):
-        assert worker.load_model is common.FfnRoleMixin.load_model
+        assert worker.load_model is ffn.FfnRoleMixin.load_model

@@ -18,7 +18,7 @@ from afd_patches.connectors.base import ConnectorClosed, ConnectorError, Connect
 from afd_patches.connectors.torch_dist import TorchDistConnector
 from afd_patches.connectors.torch_group import TorchGroupTransport
 from afd_patches.connectors.transport import BackendError
-from afd_patches.workers.common import FfnRoleMixin
+from afd_patches.workers.ffn import FfnRoleMixin
 
 
 def _port() -> int:
