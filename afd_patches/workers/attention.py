@@ -42,7 +42,7 @@ from afd_patches.models.causal_lm import afd_config_of
 from afd_patches.patches import data_parallel, micro_batches
 from afd_patches.workers import tp_group
 from afd_patches.workers.connection import build_connector, model_identity
-from afd_patches.workers.regroup import REFORM_WAIT_S, GroupKeeper
+from afd_patches.workers.regroup import GroupKeeper, idle_wait_s
 from afd_patches.workers.role import RoleBase
 
 logger = logging.getLogger(LOGGER)
@@ -98,7 +98,7 @@ class AttentionRoleMixin(RoleBase):
             logger.info("AFD attention rank %d: steps of at least %d tokens run as %d micro-batches", cfg.rank,
                         opts.micro_batch_min_tokens, opts.micro_batches)
         self._afd_keeper = GroupKeeper(cfg, lambda: build_connector(cfg, identity), model.afd_link(), connector,
-                                       cfg.connector_extra_config.get("idle_timeout_s", REFORM_WAIT_S))
+                                       idle_wait_s(cfg))
         self._afd_ticker_stop = threading.Event()
         if (cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched"
                 and not data_parallel.vllm_keeps_lockstep(self.vllm_config)):

@@ -6,10 +6,11 @@ is loaded a daemon thread waits for a group and serves it: receive one layer's h
 attention rank it serves, run that layer's FFN once on all of them (``_run_ffn``), send each rank its
 slice. A micro-batch (``connector_extra_config.micro_batches``) is one such message; messages are served in
 the order they arrive, each answered with its layer, step and micro-batch. It waits for its first group
-exactly as for any later one: as long as ``idle_timeout_s`` (default a week) and then again, logging that
-it waits; a group whose handshake fails or times out (no attention rank yet, a misconfigured one, strangers
-holding the rendezvous) is logged and waited for again, so an FFN engine never stops itself for a group
-that did not form. When a group ends, it builds a new connector and waits on the same ``host:port`` for a
+exactly as for any later one (``GroupFormer``, ``afd_patches.workers.regroup``): as long as ``idle_timeout_s``
+(default a week) and then again, logging that it waits; a group whose handshake fails or times out (no
+attention rank yet, a misconfigured one, strangers holding the rendezvous) is logged and waited for again
+after a pause that grows per failure in a row, so an FFN engine never stops itself for a group that did not
+form. When a group ends, it builds a new connector and waits on the same ``host:port`` for a
 new group, so attention engines can be restarted, or crash, without the FFN engine: every attention rank it
 serves closed cleanly (``ConnectorClosed``), or any other connector error within the group (a lost or
 silent attention rank, a message refused by its header checks), which is logged as one ``AFD FFN rank N:
@@ -52,13 +53,10 @@ from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorErr
 from afd_patches.models.causal_lm import afd_config_of
 from afd_patches.workers import tp_group
 from afd_patches.workers.connection import build_connector, model_identity
-from afd_patches.workers.regroup import REFORM_WAIT_S
+from afd_patches.workers.regroup import GroupFormer
 from afd_patches.workers.role import RoleBase
 
 logger = logging.getLogger(LOGGER)
-
-FORM_RETRY_S = 1.0  # FFN: pause after a group that did not form, doubled per failure in a row ...
-FORM_RETRY_MAX_S = 10.0  # ... up to this (a right peer arriving then waits at most this long)
 
 
 def _run_ffn(model: Any, layer: int, inputs: list[torch.Tensor], device: torch.device,
@@ -92,7 +90,6 @@ class FfnRoleMixin(RoleBase):
     _afd_error: BaseException | None = None  # what stopped the serve loop
     _afd_group_error: ConnectorError | None = None  # what ended the last group, when not a clean close
     _afd_batches = 0
-    _afd_failed_forms = 0  # formations that failed in a row (their retries back off)
     _afd_tp: tp_group.TpChannel | None = None  # the engine's TP group (None without TP): rank 0 serves, others follow
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -153,7 +150,7 @@ class FfnRoleMixin(RoleBase):
         """Serve one group after another until ``shutdown()`` or an error (see the module's "FFN role")."""
         model = self._afd_model()
         leader = tp_group.FfnLeader(model, self._afd_tp) if self._afd_tp is not None else None
-        groups = 0
+        former = GroupFormer(self._afd_cfg, self._afd_stop)
         conn: Connector | None = self._afd_connector  # built in load_model, so shutdown() can cancel its init
         try:
             placement = self._afd_placement(model)
@@ -165,9 +162,8 @@ class FfnRoleMixin(RoleBase):
                     conn.close()
                     break
                 try:
-                    if not self._afd_form(conn, groups):
+                    if not former.form(conn):
                         continue
-                    groups += 1
                     self._afd_group_error = None
                     self._afd_serve_group(conn, leader or model, placement)
                     logger.info("AFD FFN rank %d: every attention rank closed", self._afd_cfg.rank)
@@ -239,37 +235,6 @@ class FfnRoleMixin(RoleBase):
                 self._afd_earlier[1] += old.messages_received
         return new
 
-    def _afd_form(self, conn: Connector, groups: int) -> bool:
-        """Wait for a group (the first one as any later one) for as long as ``idle_timeout_s``; True once formed.
-
-        A handshake that fails or times out (no attention rank yet, a
-        misconfigured one, a stranger holding the rendezvous, the port still
-        held by another program) is logged and the FFN rank waits for the next
-        one after ``FORM_RETRY_S`` (doubled per failure in a row, at most
-        ``FORM_RETRY_MAX_S``): False. Only ``shutdown()`` ends the wait.
-        """
-        cfg = self._afd_cfg
-        logger.info("AFD FFN rank %d: waiting for %s group at %s:%s", cfg.rank, "a new" if groups else "its first",
-                    cfg.host, cfg.port)
-        metrics.set_group_up(False)
-        try:
-            conn.init(cfg.connector_extra_config.get("idle_timeout_s", REFORM_WAIT_S))
-        except ConnectorError as e:
-            if self._afd_stop.is_set():
-                raise
-            self._afd_failed_forms += 1
-            pause = min(FORM_RETRY_S * 2 ** (self._afd_failed_forms - 1), FORM_RETRY_MAX_S)
-            logger.error("AFD FFN rank %d: a group did not form (%s); waiting for one again in %.0fs", cfg.rank, e,
-                         pause)
-            self._afd_stop.wait(pause)  # a port held by another program fails at once: do not spin
-            return False
-        self._afd_failed_forms = 0
-        if groups:
-            metrics.METRICS.add("group_reformations")
-        metrics.set_group_up(True)
-        logger.info("AFD FFN rank %d: a group formed at %s:%s", cfg.rank, cfg.host, cfg.port)
-        return True
-
     def _afd_serve_group(self, conn: Connector, model: Any, placement: tuple[torch.device, torch.dtype]) -> None:
         """Receive → FFN → send until every served attention rank closed cleanly (return) or an error.
         ``model``: anything with the AFD model's ``afd_ffn`` (under TP the ``tp_group.FfnLeader``)."""
@@ -307,10 +272,10 @@ class FfnRoleMixin(RoleBase):
         (``ConnectorClosed``: every attention engine shut down) and ``shutdown()`` stop nothing. Limits: while
         an ``afd_wait()`` caller waits (the offline FFN of harness/engine.py) the error is left to it, so that
         caller reports it and exits. A handshake that fails or times out is never such an error: the loop logs
-        it and waits for the next group (``_afd_form``), so an FFN server waits for attention engines that start
-        late, and strangers at its port cannot stop it. Nothing is sent unless this process's SIGTERM handler is
-        vLLM's (worker or engine-core process): an engine run in the caller's own process
-        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) is left to ``afd_wait()``.
+        it and waits for the next group (``GroupFormer.form``, ``afd_patches.workers.regroup``), so an FFN server
+        waits for attention engines that start late, and strangers at its port cannot stop it. Nothing is sent
+        unless this process's SIGTERM handler is vLLM's (worker or engine-core process): an engine run in the
+        caller's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) is left to ``afd_wait()``.
         """
         with self._afd_wait_lock:
             if self._afd_error is None or self._afd_stop.is_set() or self._afd_waiters:
