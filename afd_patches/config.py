@@ -4,7 +4,7 @@ Present means AFD is on. ``AfdConfig`` declares every key once: its type, its de
 string under the attribute, as vLLM documents its config dataclasses) and, in the field's metadata
 (``_key``), its alias, its ``--afd-*`` flag and its JSON Schema constraints. ``keys()`` reads that
 declaration; generated from it are ``schemas/afd-config.schema.json``, the ``--afd-*`` flags
-(``afd_patches.compat.cli_flags``) and the key table of docs/running.md ("Settings"); ``python -m
+(``afd_patches.patches.cli_flags``) and the key table of docs/running.md ("Settings"); ``python -m
 scripts.afd_config_docs`` rewrites the two files, tests/afd/test_config_source.py checks that all agree.
 
 ``parse`` checks a mapping against the generated schema (unknown keys rejected, by name); the aliases

@@ -1,6 +1,6 @@
 """Which CPU cores an AFD engine's workers run on: the ``cpu_cores`` syntax and the default placement.
 
-Pure functions (no vLLM, no torch); ``afd_patches.compat.cpu_binding`` applies the result through
+Pure functions (no vLLM, no torch); ``afd_patches.patches.cpu_binding`` applies the result through
 vLLM's own knob, ``VLLM_CPU_OMP_THREADS_BIND``.
 
 Syntax (vLLM's, for ``cpu_cores`` and the env var alike)

@@ -63,7 +63,7 @@ def register(eager: bool = False) -> None:
     _done = True
     from vllm.engine.arg_utils import EngineArgs
 
-    from afd_patches.compat import cli_flags, engine_config
+    from afd_patches.patches import cli_flags, engine_config
 
     create = EngineArgs.create_engine_config
 

@@ -7,7 +7,7 @@ the model loader's ``create_model`` under the loader's own default dtype and
 target device, inside ``AllocationCounter``. No weights are loaded and no engine
 is started. Each role is measured against the parameter bytes of a plain vLLM
 build of the same checkpoint, split into FFN (a decoder layer's modules named in
-``afd_patches.workers.common.FFN_ATTRS``) and non-FFN parameters.
+``afd_patches.workers.role.FFN_ATTRS``) and non-FFN parameters.
 
 ``AllocationCounter`` is a ``TorchDispatchMode``: every ATen call's outputs
 whose storage is not one of its inputs' storages count as new allocations, on
@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from afd_patches.workers.common import FFN_ATTRS
+from afd_patches.workers.role import FFN_ATTRS
 from harness.engine import ARCH, checkpoint_dtype
 from harness.env import free_port
 from harness.tiny_model import register_configs

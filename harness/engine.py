@@ -261,7 +261,7 @@ def _generate(llm: Any, spec: dict[str, Any]) -> tuple[list[list[int]], list[lis
 
 def _runner_name(worker: Any) -> str:
     """The worker's model runner, ``"v1 (module:Class)"`` or ``"v2 (...)"`` (in the worker, via ``collective_rpc``)."""
-    from afd_patches.compat.micro_batches import runner_name
+    from afd_patches.patches.micro_batches import runner_name
 
     return runner_name(worker.model_runner)
 

@@ -5,7 +5,7 @@
 Writes ``schemas/afd-config.schema.json`` (what ``afd_patches.config.parse`` validates against) and the
 table between the ``afd-config`` markers of docs/running.md ("Settings"). ``--check`` writes nothing and
 exits 1 when either file differs from what it would write (tests/afd/test_config_source.py asserts the
-same). The ``--afd-*`` flags are generated at run time (``afd_patches.compat.cli_flags.flags``).
+same). The ``--afd-*`` flags are generated at run time (``afd_patches.patches.cli_flags.flags``).
 
 Limits: only ``AfdConfig``'s own keys; ``connector_extra_config``'s keys are the connector's
 (``afd_patches.connectors.options``) and keep their hand-written table below the generated one.

@@ -69,7 +69,7 @@ class Connector(ABC):
 
     ``identity`` describes the model this side runs (JSON values, e.g.
     ``architecture``, ``num_hidden_layers``, ``hidden_size``, ``dtype``; see
-    ``afd_patches.workers.common.model_identity``). Connectors compare it with
+    ``afd_patches.workers.connection.model_identity``). Connectors compare it with
     the peer's in ``init()``: keys both sides supplied must be equal.
     """
 

@@ -1,6 +1,6 @@
 """``AFDBailingMoeForCausalLM``: vLLM's Bailing-MoE (Ling), split into an attention role and an FFN role.
 
-See ``afd_patches.models.common`` for the role contract and its limits. A
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. A
 Bailing decoder layer (``BailingMoeBlock``) builds its FFN as ``mlp``: a dense
 ``BailingMLP`` for the first ``first_k_dense_replace`` layers, a ``BailingMoE``
 (router ``gate``, FusedMoE ``experts``, optional ``shared_experts``, which
@@ -13,7 +13,7 @@ Weights: dense and shared-expert ``gate_proj``/``up_proj`` go to vLLM's fused
 ``gate_up_proj`` through ``BailingMoeModel``'s own name mapper; routed experts
 go to FusedMoE's loader. vLLM's Bailing keeps no MoE bookkeeping (it is not a
 ``MixtureOfExperts`` model), so neither role reports any. Limits (besides
-those of ``common``): no EPLB or expert parallelism.
+those of ``causal_lm``): no EPLB or expert parallelism.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from vllm.model_executor.models.bailing_moe import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import AfdCausalLMMixin, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin
+from afd_patches.models.ffn_proxy import proxy_type
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:

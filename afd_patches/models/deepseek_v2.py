@@ -1,6 +1,6 @@
 """``AFDDeepseekV2ForCausalLM`` / ``AFDDeepseekV3ForCausalLM``: vLLM's DeepSeek-V2/V3, split into roles.
 
-See ``afd_patches.models.common`` for the role contract and its limits. In
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. In
 vLLM's DeepSeek-V2 family the FFN of decoder layer ``i`` is ``mlp`` for both
 kinds of layer: a dense ``DeepseekV2MLP`` for the first
 ``first_k_dense_replace`` layers (and layers off ``moe_layer_freq``), and a
@@ -24,7 +24,7 @@ experts); routed-expert weights go to vLLM's FusedMoE loader. MTP
 them to vLLM, which skips them for the main model. FusedMoE looks itself up in
 vLLM's forward context, so FFN calls run inside one.
 
-Limits (besides those of ``common``): no sequence-parallel MoE
+Limits (besides those of ``causal_lm``): no sequence-parallel MoE
 (``use_sequence_parallel_moe``), no ROCm AITER fused shared experts, no EPLB or
 expert parallelism; DeepSeek-V3.2 (sparse attention indexer) is not covered.
 The MoE bookkeeping vLLM reads (``moe_layers``, ``num_moe_layers``, expert
@@ -51,7 +51,8 @@ from vllm.model_executor.models.utils import (
     get_spec_layer_idx_from_weight_name,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, adopt_moe_blocks, build_dense_mlp, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin, adopt_moe_blocks, build_dense_mlp
+from afd_patches.models.ffn_proxy import proxy_type
 
 # Checkpoint -> vLLM names of the FFN role's fused dense projections. Routed
 # experts (``mlp.experts.E.*``) do not match and go to FusedMoE's own loader.
@@ -94,7 +95,7 @@ class AFDDeepseekV2ForCausalLM(AfdCausalLMMixin, DeepseekV2ForCausalLM):
 
     # ---- attention role -------------------------------------------------
     def afd_check_attention_layers(self) -> None:
-        """As in ``common``, and no sequence-parallel MoE (its layers expect another exchange)."""
+        """As in ``causal_lm``, and no sequence-parallel MoE (its layers expect another exchange)."""
         if any(getattr(layer, "use_sequence_parallel_moe", False) for layer in self._afd_layers()):
             raise ValueError("AFD DeepSeek: sequence-parallel MoE (use_sequence_parallel_moe) is not supported")
         super().afd_check_attention_layers()

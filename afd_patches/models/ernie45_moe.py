@@ -1,6 +1,6 @@
 """``AFDErnie4_5_MoeForCausalLM``: vLLM's ERNIE-4.5-MoE, split into an attention role and an FFN role.
 
-See ``afd_patches.models.common`` for the role contract and its limits. The FFN
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. The FFN
 of decoder layer ``i`` is ``mlp``: an ``Ernie4_5_MoeMoE`` (float32 router ``gate``
 with its ``e_score_correction_bias``, FusedMoE experts, shared experts run inside
 the block, so on the FFN role) on the layers the config's
@@ -32,7 +32,8 @@ from vllm.model_executor.models.ernie45_moe import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts
+from afd_patches.models.ffn_proxy import proxy_type
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:

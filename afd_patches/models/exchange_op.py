@@ -27,7 +27,7 @@ Registered once per process at import (``torch.library``, device-generic
 ``CompositeExplicitAutograd`` kernel). Limits: no autograd (inference only);
 the kernel runs the link's Python code, so it cannot be captured inside a CUDA
 graph: on CUDA it must be in ``splitting_ops`` (see
-``afd_patches.compat.compilation``).
+``afd_patches.patches.compilation``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 
 
 class Exchanger(Protocol):
-    """What the op calls (``afd_patches.models.common.AfdLink`` is one): no import of it, so the layers stay
+    """What the op calls (``afd_patches.models.link.AfdLink`` is one): no import of it, so the layers stay
     one-way (``tests/afd/test_layers.py``)."""
 
     def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor: ...

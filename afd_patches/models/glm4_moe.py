@@ -1,6 +1,6 @@
 """``AFDGlm4MoeForCausalLM``: vLLM's GLM-4.5/4.6 (``glm4_moe``), split into an attention and an FFN role.
 
-See ``afd_patches.models.common`` for the role contract and its limits. The FFN
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. The FFN
 of decoder layer ``i`` is ``mlp``: a dense ``Glm4MoeMLP`` for the first
 ``first_k_dense_replace`` layers, a ``Glm4MoE`` elsewhere -- a float32 router
 ``gate`` with its ``e_score_correction_bias``, FusedMoE experts with grouped
@@ -14,7 +14,7 @@ and ``Glm4MoeModel``'s own name mapper (``gate_proj``/``up_proj`` ->
 ``gate_up_proj``); MTP layers (``num_nextn_predict_layers``) are never FFN
 weights, and vLLM skips them for the main model on the attention role.
 FusedMoE looks itself up in vLLM's forward context, so FFN calls run inside one.
-Limits (besides ``common``'s): no ROCm AITER fused shared experts, no EPLB or
+Limits (besides ``causal_lm``'s): no ROCm AITER fused shared experts, no EPLB or
 expert parallelism. The MoE bookkeeping describes the FFN role's experts.
 """
 
@@ -33,7 +33,8 @@ from vllm.model_executor.models.glm4_moe import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader, get_spec_layer_idx_from_weight_name
 
-from afd_patches.models.common import AfdCausalLMMixin, adopt_moe_blocks, build_dense_mlp, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin, adopt_moe_blocks, build_dense_mlp
+from afd_patches.models.ffn_proxy import proxy_type
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:

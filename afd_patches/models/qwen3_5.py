@@ -1,6 +1,6 @@
 """``AFDQwen3_5MoeForCausalLM`` / ``AFDQwen3_5ForCausalLM``: vLLM's Qwen3.5 text decoders, split into roles.
 
-See ``afd_patches.models.common`` for the role contract and its limits, and
+See ``afd_patches.models.causal_lm`` for the role contract and its limits, and
 ``afd_patches.models.qwen3_next`` for the hybrid layout Qwen3.5 shares with
 Qwen3-Next: Gated-DeltaNet linear-attention and gated full-attention layers,
 whose state (KV cache and linear-attention state) stays on the attention role.
@@ -35,7 +35,8 @@ from vllm.model_executor.models.qwen3_5 import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import build_dense_mlp, proxy_type
+from afd_patches.models.causal_lm import build_dense_mlp
+from afd_patches.models.ffn_proxy import proxy_type
 from afd_patches.models.qwen3_next import HybridMoeRules
 
 MOE_TEXT = "qwen3_5_moe_text"  # the model_type for which Qwen3_5DecoderLayer builds sparse MoE blocks

@@ -1,6 +1,6 @@
 """``AFDQwen3MoeForCausalLM``: vLLM's Qwen3-MoE, split into an attention role and an FFN (experts) role.
 
-See ``afd_patches.models.common`` for the role contract and its limits. Per
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. Per
 layer the FFN role builds what vLLM's Qwen3-MoE decoder layer would build: the
 sparse MoE block (router + FusedMoE experts, plus shared expert if configured)
 or, for ``mlp_only_layers`` / non-sparse steps, the dense ``Qwen3MoeMLP``.
@@ -24,7 +24,8 @@ from vllm.model_executor.models.qwen3_moe import (
     Qwen3MoeSparseMoeBlock,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts
+from afd_patches.models.ffn_proxy import proxy_type
 
 
 def _is_sparse(config: Any, layer: int) -> bool:

@@ -1,6 +1,6 @@
 """``AFDQwen3NextForCausalLM``: vLLM's Qwen3-Next (hybrid linear attention + MoE), split into roles.
 
-See ``afd_patches.models.common`` for the role contract and its limits. Each
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. Each
 Qwen3-Next decoder layer holds either a Gated-DeltaNet linear attention or a
 gated full attention, then its FFN ``mlp``: a ``Qwen3NextSparseMoeBlock``
 (router, FusedMoE experts, gated shared expert) or, for ``mlp_only_layers``
@@ -17,7 +17,7 @@ CPU both roles run in bfloat16.
 The MoE bookkeeping vLLM reads (``moe_layers``, ``num_moe_layers``, expert
 counts) describes the FFN role's experts and mirrors
 ``QwenNextMixtureOfExperts.set_moe_parameters`` (pinned in full); the attention
-role reports none. Limits (besides those of ``common``): no sequence-parallel
+role reports none. Limits (besides those of ``causal_lm``): no sequence-parallel
 MoE, no fused shared experts, no EPLB or expert parallelism, no MTP.
 """
 
@@ -36,7 +36,8 @@ from vllm.model_executor.models.qwen3_next import (
 )
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
-from afd_patches.models.common import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin, build_dense_mlp, copy_expert_counts
+from afd_patches.models.ffn_proxy import proxy_type
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
@@ -60,7 +61,7 @@ class HybridMoeRules(AfdCausalLMMixin):
         copy_expert_counts(self, blocks)
 
     def afd_check_attention_layers(self) -> None:
-        """As in ``common``, and no sequence-parallel MoE (its layers expect another exchange)."""
+        """As in ``causal_lm``, and no sequence-parallel MoE (its layers expect another exchange)."""
         if any(getattr(layer, "use_attn_reduce_scatter_for_moe", False) for layer in self._afd_layers()):
             raise ValueError("AFD Qwen3-Next/3.5: sequence-parallel MoE is not supported")
         super().afd_check_attention_layers()

@@ -1,6 +1,6 @@
 """``AFDStep3TextForCausalLM``: vLLM's Step-3 text model, split into an attention role and an FFN role.
 
-See ``afd_patches.models.common`` for the role contract and its limits. A Step-3
+See ``afd_patches.models.causal_lm`` for the role contract and its limits. A Step-3
 decoder layer holds either a dense ``Step3TextMLP`` as ``mlp`` or, on the layers
 ``moe_layers_enum`` lists, a ``FusedMoEBlock`` as ``moe`` (router ``gate`` +
 FusedMoE experts) and a ``Step3TextMLP`` as ``share_expert``, whose outputs its
@@ -32,7 +32,8 @@ from vllm.model_executor.models.step3_text import (
     Step3TextModel,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, proxy_type
+from afd_patches.models.causal_lm import AfdCausalLMMixin
+from afd_patches.models.ffn_proxy import proxy_type
 
 
 def moe_layers(config: Any) -> set[int]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from afd_patches.workers.common import AttentionRoleMixin, FfnRoleMixin
+from afd_patches.workers.attention import AttentionRoleMixin
+from afd_patches.workers.ffn import FfnRoleMixin
 
 
 class CpuAttentionWorker(AttentionRoleMixin, CPUWorker):

@@ -1,8 +1,8 @@
 """AFD role workers on vLLM's GPU worker (``vllm.v1.worker.gpu_worker.Worker``).
 
-Selected by the manifest on the cuda platform only. Limits as in ``common``;
+Selected by the manifest on the cuda platform only. Limits as in ``attention`` and ``ffn``;
 the attention role is compiled piecewise with ``afd::exchange`` as a split point
-and full CUDA graphs refused (``afd_patches.compat.compilation``).
+and full CUDA graphs refused (``afd_patches.patches.compilation``).
 
 Model runners: vLLM's GPU worker builds the V2 model runner
 (``vllm.v1.worker.gpu.model_runner``) when Triton works, else the V1 one. The
@@ -24,7 +24,8 @@ from typing import Any
 from vllm.v1.worker.gpu_worker import Worker
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from afd_patches.workers.common import AttentionRoleMixin, FfnRoleMixin
+from afd_patches.workers.attention import AttentionRoleMixin
+from afd_patches.workers.ffn import FfnRoleMixin
 
 
 class CudaAttentionWorker(AttentionRoleMixin, Worker):

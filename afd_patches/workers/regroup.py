@@ -1,6 +1,18 @@
-"""An attention rank's AFD group across FFN outages: notice the loss, re-form in the background.
+"""An AFD group's lifecycle on each side, with one retry policy and one idle wait for both.
 
-``GroupKeeper`` owns the attention worker's connector once the first group has
+Both sides form every group the same way: one formation (the connector's ``init``) waits for the peers for as
+long as ``idle_wait_s`` (``connector_extra_config.idle_timeout_s``, default the connector's ``IDLE_TIMEOUT_S``,
+a week: a group, the first one too, may take as long as a deploy takes); one that fails (a mismatched or
+foreign peer, the wait running out, the port held by another program) is logged and tried again after
+``retry_pause``: ``RETRY_S``, doubled per failure in a row, at most ``RETRY_MAX_S``.
+
+FFN side: ``GroupFormer`` forms each group the FFN worker serves (``FfnRoleMixin._afd_serve``,
+``afd_patches.workers.ffn``), the first exactly as any later one: ``form(conn)`` logs that it waits, keeps
+``vllm:afd_group_up`` at 0 meanwhile, and returns True once the group formed (counted, and from the second
+group on counted as ``vllm:afd_group_reformations``), or False after a failed formation and its pause. Only
+the worker's stop event ends the waiting.
+
+Attention side: ``GroupKeeper`` owns the attention worker's connector once the first group has
 formed (``AttentionRoleMixin.load_model``):
 
 - ``lost(error)``: a step or an idle step raised ``error`` (a ``ConnectorError``:
@@ -13,9 +25,9 @@ formed (``AttentionRoleMixin.load_model``):
   Later calls during the same outage change nothing.
 - The re-forming thread (``afd-regroup-<rank>``) closes the lost connector,
   then builds a new one (``build_connector``) and waits in ``init`` for as long
-  as ``idle_timeout_s`` (default ``REFORM_WAIT_S``, a week) for an FFN at the
-  same ``host:port``; a handshake that fails (a mismatched or foreign peer) is
-  logged and tried again after ``RETRY_S``. Once one forms it is bound to the
+  as ``idle_wait_s`` for an FFN at the same ``host:port``; a handshake that
+  fails (a mismatched or foreign peer) is logged and tried again after
+  ``retry_pause``. Once one forms it is bound to the
   link (under its lock), logged, and counted (``vllm:afd_group_reformations``).
 - ``status()``: what ``afd_group_status()`` reports through ``collective_rpc``
   (the engine core and the API server ask it): ``up``, ``error`` (the message
@@ -25,7 +37,7 @@ formed (``AttentionRoleMixin.load_model``):
   its ``init``) and closes the current connector. Idempotent.
 
 Limits: one connector per worker, as in the rest of the attention role. The
-engine itself decides what happens to requests (``afd_patches.compat.outage``):
+engine itself decides what happens to requests (``afd_patches.patches.outage``):
 the worker only raises and reports.
 """
 
@@ -39,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 
 from afd_patches import LOGGER, metrics
 from afd_patches.connectors.base import ConnectorError
-from afd_patches.models.common import AfdGroupDown, AfdLink
+from afd_patches.connectors.options import IDLE_TIMEOUT_S
+from afd_patches.models.link import AfdGroupDown, AfdLink
 
 if TYPE_CHECKING:
     from afd_patches.config import AfdConfig
@@ -47,7 +60,55 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(LOGGER)
 
-RETRY_S = 1.0  # pause after a re-formation attempt that failed for another reason than the wait running out
+RETRY_S = 1.0  # pause after a formation that failed, doubled per failure in a row ...
+RETRY_MAX_S = 10.0  # ... up to this (a right peer arriving then waits at most this long)
+
+
+def retry_pause(failures: int) -> float:
+    """Seconds to wait before the next formation after ``failures`` (at least 1) failed in a row."""
+    return min(RETRY_S * 2 ** (failures - 1), RETRY_MAX_S)
+
+
+def idle_wait_s(cfg: AfdConfig) -> float:
+    """How long one formation waits for its peers: ``connector_extra_config.idle_timeout_s``, default
+    ``IDLE_TIMEOUT_S``."""
+    return cfg.connector_extra_config.get("idle_timeout_s", IDLE_TIMEOUT_S)  # type: ignore[no-any-return]
+
+
+class GroupFormer:
+    """The FFN worker's formations, one group after another (see the module docstring)."""
+
+    def __init__(self, cfg: AfdConfig, stop: threading.Event) -> None:
+        self.cfg = cfg
+        self.stop = stop  # the worker's: set by shutdown()
+        self.groups = 0  # groups formed so far
+        self.failures = 0  # formations that failed in a row (their retries back off)
+
+    def form(self, conn: Connector) -> bool:
+        """Wait in ``conn.init`` for a group; True once formed, False after a failed formation and its pause.
+        A ``ConnectorError`` once the stop event is set propagates."""
+        cfg = self.cfg
+        logger.info("AFD FFN rank %d: waiting for %s group at %s:%s", cfg.rank, "a new" if self.groups else
+                    "its first", cfg.host, cfg.port)
+        metrics.set_group_up(False)
+        try:
+            conn.init(idle_wait_s(cfg))
+        except ConnectorError as e:
+            if self.stop.is_set():
+                raise
+            self.failures += 1
+            pause = retry_pause(self.failures)
+            logger.error("AFD FFN rank %d: a group did not form (%s); waiting for one again in %.0fs", cfg.rank, e,
+                         pause)
+            self.stop.wait(pause)  # a port held by another program fails at once: do not spin
+            return False
+        self.failures = 0
+        if self.groups:
+            metrics.METRICS.add("group_reformations")
+        self.groups += 1
+        metrics.set_group_up(True)
+        logger.info("AFD FFN rank %d: a group formed at %s:%s", cfg.rank, cfg.host, cfg.port)
+        return True
 
 
 class GroupKeeper:
@@ -107,6 +168,7 @@ class GroupKeeper:
         t0 = time.monotonic()
         logger.info("AFD attention rank %d: waiting for an FFN at %s to re-form the group", self.cfg.rank,
                     self.address)
+        failures = 0
         while not self._stop.is_set():
             conn = self.build()
             with self._state:
@@ -120,9 +182,11 @@ class GroupKeeper:
                 conn.close()
                 if self._stop.is_set():
                     return
-                logger.error("AFD attention rank %d: the group at %s did not re-form (%s); trying again",
-                             self.cfg.rank, self.address, e)
-                self._stop.wait(RETRY_S)
+                failures += 1
+                pause = retry_pause(failures)
+                logger.error("AFD attention rank %d: the group at %s did not re-form (%s); trying again in %.0fs",
+                             self.cfg.rank, self.address, e, pause)
+                self._stop.wait(pause)
                 continue
             finally:
                 with self._state:

@@ -53,7 +53,7 @@ import torch
 from afd_patches import LOGGER
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.models import exchange_op
-from afd_patches.models.common import AfdGroupDown
+from afd_patches.models.link import AfdGroupDown
 
 logger = logging.getLogger(LOGGER)
 

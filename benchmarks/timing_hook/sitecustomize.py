@@ -2,7 +2,7 @@
 
 Used by ``benchmarks/afd_server_load.py --timings``: with ``AFD_TIMINGS_DIR`` set,
 every process that imports ``afd_patches.connectors.torch_dist`` or
-``afd_patches.workers.common`` gets wall-clock counters around the connector
+``afd_patches.workers.ffn`` gets wall-clock counters around the connector
 calls, the FFN call and the attention model's forward step; each process writes
 ``<pid>.json`` (name -> [calls, seconds]) to that directory every 2 s. Nothing
 happens without the variable. Not part of the plugin.
@@ -26,8 +26,8 @@ _TARGETS = {
                                           ("TorchDistConnector", "recv_ffn_output"),
                                           ("TorchDistConnector", "recv_attn_output"),
                                           ("TorchDistConnector", "send_ffn_output")],
-    "afd_patches.workers.common": [(None, "_run_ffn")],
-    "afd_patches.models.common": [("AfdCausalLMMixin", "forward")],
+    "afd_patches.workers.ffn": [(None, "_run_ffn")],
+    "afd_patches.models.causal_lm": [("AfdCausalLMMixin", "forward")],
 }
 
 

@@ -3,7 +3,7 @@
 What it runs
     Two processes, an FFN rank and an attention rank, on the real ``TorchDistConnector``
     (``afd_patches/connectors/torch_dist.py``) and the real FFN serve loop
-    (``FfnRoleMixin._afd_serve`` of ``afd_patches/workers/common.py``, in its own thread, on a
+    (``FfnRoleMixin._afd_serve`` of ``afd_patches/workers/ffn.py``, in its own thread, on a
     stand-in worker that holds a bf16 MLP). The connector builds its gloo/NCCL group from torch's own
     classes, so vLLM need not be installed.
 
@@ -18,7 +18,7 @@ What it runs
       - ``close_while_blocked``: the FFN closes its connector from its main thread while the
         serve thread waits for an idle attention rank; close and the serve thread end in bound.
     ``piecewise`` (call 3, about 1 minute): what AFD's piecewise CUDA graphs do on the attention
-    role (``afd_patches/compat/compilation.py``), without vLLM's compiler: two layers of
+    role (``afd_patches/patches/compilation.py``), without vLLM's compiler: two layers of
     [piece: matmul + RMS norm] -> ``afd::exchange`` (the registered operator, through the real
     connector to the FFN process's serve loop) -> [piece: residual add]; each piece is captured
     once in a ``torch.cuda.CUDAGraph`` and replayed around the eager exchange, for every size in
@@ -42,7 +42,7 @@ What it runs
     of ``--requests`` (new tokens per request, default 8 requests, 512 tokens; micro-batch boundaries fall inside
     requests, whose second part then reads KV the first part wrote). Variants: unsplit (1), 2 and 3 micro-batches
     in the forward context MRV2's runner makes (``attn_metadata``, ``slot_mapping`` and ``is_padding`` lists, one
-    entry per micro-batch, and ``ubatch_slices``; ``afd_patches/compat/micro_batches_v2.py``), and on CUDA 2 and 3
+    entry per micro-batch, and ``ubatch_slices``; ``afd_patches/patches/micro_batches_v2.py``), and on CUDA 2 and 3
     again with each micro-batch's compute on its own ``torch.cuda.Stream``, an event recorded at every hand-over
     and waited for by the next micro-batch's stream (what vLLM's ``UBatchRunner`` does with streams). One
     ``microbatch`` line per variant; ok when: output and KV cache bitwise equal to the unsplit step's (or, only
@@ -193,7 +193,8 @@ def ffn_main(port: int, opts: dict[str, Any], inbox: Any, outbox: Any) -> None:
     device = setup("ffn", opts)
     from afd_patches.config import AfdConfig
     from afd_patches.connectors.base import ConnectorError
-    from afd_patches.workers.common import FfnRoleMixin, build_connector
+    from afd_patches.workers.connection import build_connector
+    from afd_patches.workers.ffn import FfnRoleMixin
 
     worker: Any = FfnRoleMixin.__new__(FfnRoleMixin)
     worker._afd_stop = threading.Event()
@@ -252,7 +253,7 @@ def _time_us(fn: Any, reps: int, device: torch.device) -> list[float]:
 def piecewise_sizes(conn: Any, opts: dict[str, Any], device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     """Per size: two layers, pieces captured in CUDA graphs (eager on CPU), the exchange between them."""
     from afd_patches.models import exchange_op
-    from afd_patches.models.common import AfdLink
+    from afd_patches.models.link import AfdLink
 
     hidden = opts["hidden"]
     link = AfdLink(2, hidden, dtype)

@@ -1,6 +1,6 @@
 """The attention side of check.py's ``microbatch`` call: AFD's micro-batch schedule as Model Runner V2 drives it.
 
-What Model Runner V2 (MRV2) does with a split step, per ``afd_patches/compat/micro_batches_v2.py``: its
+What Model Runner V2 (MRV2) does with a split step, per ``afd_patches/patches/micro_batches_v2.py``: its
 ``AfdUBatchRunner.run`` calls the model once inside a forward context whose ``attn_metadata``, ``slot_mapping``
 and ``is_padding`` are lists (one entry per micro-batch) and whose ``ubatch_slices`` are the step's token
 slices; the AFD model's ``forward`` (``AfdCausalLMMixin.forward``) takes ``link.lock``, begins a link step, asks
@@ -354,7 +354,7 @@ def variants(conn: Any, ref: Ffn, opts: dict[str, Any], device: torch.device,
     (the unsplit reference). Each runs ``1 + opts["reps"]`` AFD steps (the first checked, the rest timed)."""
     install_forward_context_standin()
     from afd_patches.models import exchange_op, microbatch
-    from afd_patches.models.common import AfdLink
+    from afd_patches.models.link import AfdLink
 
     hidden, reps = opts["hidden"], opts["reps"]
     batch = Batch(opts["requests"], hidden, device, dtype)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from afd_patches.compat.engine_config import role_of
 from afd_patches.config import AfdConfig, AfdConfigError, from_additional_config, parse
+from afd_patches.patches.engine_config import role_of
 
 
 def test_aliases_are_normalized_and_defaults_filled(monkeypatch: pytest.MonkeyPatch):
@@ -65,7 +65,7 @@ def test_afd_is_refused_with_the_supported_releases_on_an_unsupported_vllm(
     """On a vLLM no pinned manifest fits, the fallback plan is active and AFD fails naming the releases."""
     import afd_patches
     import patchkit
-    from afd_patches.compat.engine_config import AfdUnavailable, validate_afd_config
+    from afd_patches.patches.engine_config import AfdUnavailable, validate_afd_config
     from patchkit.plan import Runtime
 
     monkeypatch.setenv("PATCHKIT_CACHE_DIR", str(tmp_path))
@@ -89,7 +89,7 @@ def test_the_modules_every_process_imports_leave_the_config_machinery_unloaded()
 
     code = (
         "import sys; from types import SimpleNamespace\n"
-        "import afd_patches, afd_patches.compat.cli_flags as f, afd_patches.compat.engine_config as e\n"
+        "import afd_patches, afd_patches.patches.cli_flags as f, afd_patches.patches.engine_config as e\n"
         "assert e.role_of(SimpleNamespace(additional_config={'x': 1})) is None\n"
         "print('afd_patches.config' in sys.modules, 'jsonschema' in sys.modules)\n"
         "print(f.flags()[1].help, 'afd_patches.config' in sys.modules)\n"

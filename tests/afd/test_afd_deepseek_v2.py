@@ -16,7 +16,7 @@ from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV3ForCausalLM,
 )
 
-from afd_patches.models.common import AfdCausalLMMixin, AfdFfnProxy, AfdLink, _building
+from afd_patches.models.causal_lm import AfdCausalLMMixin
 from afd_patches.models.deepseek_v2 import (
     _FFN_STACKED,
     AFDDeepseekV2ForCausalLM,
@@ -24,6 +24,8 @@ from afd_patches.models.deepseek_v2 import (
     DeepseekV2MLPProxy,
     is_moe_layer,
 )
+from afd_patches.models.ffn_proxy import AfdFfnProxy, building
+from afd_patches.models.link import AfdLink
 
 
 def _bare(cls: type, **config: object) -> AfdCausalLMMixin:
@@ -113,7 +115,7 @@ class _Loopback:
 def test_dense_proxy_is_a_parameter_free_deepseek_mlp() -> None:
     link = AfdLink(2, 4)
     link.connector = _Loopback()  # type: ignore[assignment]
-    with _building(link):  # as while the scoped-rebind entry afd.deepseek-v2.ffn-proxies has it bound
+    with building(link):  # as while the scoped-rebind entry afd.deepseek-v2.ffn-proxies has it bound
         proxy = DeepseekV2MLPProxy(hidden_size=4, intermediate_size=8, hidden_act="silu",
                                    quant_config=None, prefix="model.layers.0.mlp")
     assert isinstance(proxy, DeepseekV2MLP) and isinstance(proxy, AfdFfnProxy) and proxy.layer == 0

@@ -1,4 +1,4 @@
-"""The attention role's FFN proxies (``afd_patches.models.common``); the rebinding that makes vLLM build
+"""The attention role's FFN proxies (``afd_patches.models.ffn_proxy``); the rebinding that makes vLLM build
 them is a manifest entry (``op: scoped-rebind``), tested in tests/patchkit/test_scoped_rebind.py.
 
 Fakes stand in for vLLM's FFN classes and for a model module's globals; the
@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from afd_patches.models.common import AfdFfnProxy, AfdLink, _building, building_attention_model, proxy_type
+from afd_patches.models.ffn_proxy import AfdFfnProxy, building, building_attention_model, proxy_type
+from afd_patches.models.link import AfdLink
 
 
 class FakeMlp(nn.Module):
@@ -34,7 +35,7 @@ def test_proxies_are_parameter_free_instances_of_the_class_they_stand_in_for() -
     link = AfdLink(2, 4)
     proxies = {FakeMlp: proxy_type(FakeMlp), FakeMoe: proxy_type(FakeMoe, moe=True)}
     assert not building_attention_model()
-    with _building(link):  # what AfdCausalLMMixin does around vLLM's __init__ on the attention role
+    with building(link):  # what AfdCausalLMMixin does around vLLM's __init__ on the attention role
         assert building_attention_model("any", arguments=True)
         dense = proxies[FakeMlp](4, prefix="model.layers.0.mlp")
         moe = proxies[FakeMoe](config=None, prefix="model.layers.1.mlp")
@@ -47,7 +48,7 @@ def test_proxies_are_parameter_free_instances_of_the_class_they_stand_in_for() -
 
 
 def test_the_building_mark_is_cleared_when_construction_fails() -> None:
-    with pytest.raises(ValueError, match="boom"), _building(AfdLink()):
+    with pytest.raises(ValueError, match="boom"), building(AfdLink()):
         raise ValueError("boom")
     assert not building_attention_model()
 
@@ -55,7 +56,7 @@ def test_the_building_mark_is_cleared_when_construction_fails() -> None:
 def test_a_proxy_outside_an_attention_build_or_without_a_layer_prefix_is_refused() -> None:
     with pytest.raises(RuntimeError, match="only while an AFD attention-role model is built"):
         proxy_type(FakeMlp)(4, prefix="model.layers.0.mlp")
-    with _building(AfdLink()), pytest.raises(RuntimeError, match="names no decoder layer"):
+    with building(AfdLink()), pytest.raises(RuntimeError, match="names no decoder layer"):
         proxy_type(FakeMlp)(4, prefix="model.shared.mlp")
 
 
@@ -64,7 +65,7 @@ def test_exchange_slots_give_each_ffn_module_of_a_layer_its_own_exchange_index()
     ``3 * layer + k``; an idle step sends every index once; a module outside the slots is refused."""
     slots = ("mlp", "mlps.0", "mlps.1")
     link = AfdLink(2, 4, slots=slots)
-    with _building(link):
+    with building(link):
         built = {(layer, path): (proxy_type(FakeMoe, moe=True)(config=None, prefix=f"model.layers.{layer}.{path}")
                                  if path == "mlp" else proxy_type(FakeMlp)(4, prefix=f"model.layers.{layer}.{path}"))
                  for layer in range(2) for path in slots}
@@ -81,16 +82,16 @@ def test_exchange_slots_give_each_ffn_module_of_a_layer_its_own_exchange_index()
 
 
 def test_without_slots_a_module_nested_under_a_layer_names_no_decoder_layer() -> None:
-    with _building(AfdLink(2, 4)), pytest.raises(RuntimeError, match="names no decoder layer"):
+    with building(AfdLink(2, 4)), pytest.raises(RuntimeError, match="names no decoder layer"):
         proxy_type(FakeMlp)(4, prefix="model.layers.0.mlps.0")
 
 
 def test_cuda_and_cpu_role_workers_leave_model_construction_to_the_model() -> None:
     """Import check of the CUDA workers: neither kind builds the model itself, so both get the same role split
     (vLLM's model runner builds the AFD model class through its model loader on either device)."""
-    from afd_patches.workers import common, cpu, cuda
+    from afd_patches.workers import attention, cpu, cuda, ffn
 
     for worker in (cuda.CudaAttentionWorker, cpu.CpuAttentionWorker):
-        assert worker.load_model is common.AttentionRoleMixin.load_model
+        assert worker.load_model is attention.AttentionRoleMixin.load_model
     for worker in (cuda.CudaFfnWorker, cpu.CpuFfnWorker):
-        assert worker.load_model is common.FfnRoleMixin.load_model
+        assert worker.load_model is ffn.FfnRoleMixin.load_model

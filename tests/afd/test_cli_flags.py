@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 import patchkit
-from afd_patches.compat import cli_flags
-from afd_patches.compat.cli_flags import AfdCliError, add_afd_cli_args, afd_from_cli_args, apply_flags
 from afd_patches.config import AfdConfigError, parse
+from afd_patches.patches import cli_flags
+from afd_patches.patches.cli_flags import AfdCliError, add_afd_cli_args, afd_from_cli_args, apply_flags
 from patchkit.plan import Runtime
 from tests.support.manifests import header
 
@@ -191,9 +191,9 @@ ARG_UTILS = {
 MANIFEST = header("clitest", "afd_patches") + """
 patches:
   - {id: flags, target: "fakevllm.arg_utils:EngineArgs.add_cli_args", op: wrap,
-     with: "afd_patches.compat.cli_flags:add_afd_cli_args", rebind: none, why: t}
+     with: "afd_patches.patches.cli_flags:add_afd_cli_args", rebind: none, why: t}
   - {id: to-config, target: "fakevllm.arg_utils:EngineArgs.from_cli_args", op: wrap,
-     with: "afd_patches.compat.cli_flags:afd_from_cli_args", rebind: none, why: t}
+     with: "afd_patches.patches.cli_flags:afd_from_cli_args", rebind: none, why: t}
 """
 
 

@@ -1,4 +1,4 @@
-"""AFD's compilation rules (afd_patches/compat/compilation.py) on vLLM's real config objects.
+"""AFD's compilation rules (afd_patches/patches/compilation.py) on vLLM's real config objects.
 
 The CUDA branch is exercised here with ``cuda=True`` on vLLM's own ``CompilationConfig``: what
 vLLM then does with it on a GPU is scripts/gpu_check's job (its ``piecewise`` check).
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
-from afd_patches.compat.compilation import AfdCompilationError, after_config, before_config
 from afd_patches.models.exchange_op import OP_NAME
+from afd_patches.patches.compilation import AfdCompilationError, after_config, before_config
 
 
 def _args(enforce_eager: bool = False, **compilation: object) -> SimpleNamespace:

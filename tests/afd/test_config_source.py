@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from afd_patches.compat import cli_flags
 from afd_patches.config import ALIASES, AfdConfig, AfdConfigError, keys, parse
+from afd_patches.patches import cli_flags
 from scripts import afd_config_docs
 
 

@@ -288,7 +288,7 @@ def test_model_identity_and_hello_comparison() -> None:
 
     from afd_patches.connectors.rendezvous import differences, model_fields
     from afd_patches.connectors.session import Hello
-    from afd_patches.workers.common import model_identity
+    from afd_patches.workers.connection import model_identity
 
     hf = SimpleNamespace(num_hidden_layers=2, hidden_size=64, architectures=["LlamaForCausalLM"])
     mc = SimpleNamespace(architectures=["AFDLlamaForCausalLM"], hf_text_config=hf, dtype=torch.bfloat16)
@@ -766,7 +766,7 @@ def test_close_from_another_thread_while_serve_loop_blocked_returns_in_bound() -
 def test_run_ffn_calls_the_ffn_once_on_the_busy_rows_only() -> None:
     """The FFN role's per-message work: empty inputs (idle ranks, other ranks in pingpong) are answered
     with themselves and never reach the FFN; one busy input goes in without a copy; several in one call."""
-    from afd_patches.workers.common import _run_ffn
+    from afd_patches.workers.ffn import _run_ffn
 
     class Model:
         def __init__(self) -> None:

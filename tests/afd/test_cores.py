@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from afd_patches import LOGGER, AfdConfigError
-from afd_patches.compat import cpu_binding
 from afd_patches.config import AfdConfig, parse
 from afd_patches.cores import Cpu, derive, format_core_lists, format_cores, parse_core_lists, physical_cores
+from afd_patches.patches import cpu_binding
 
 
 def _flat(n: int) -> list[Cpu]:

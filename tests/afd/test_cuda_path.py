@@ -18,7 +18,7 @@ from afd_patches.connectors.base import ConnectorClosed, ConnectorError, Connect
 from afd_patches.connectors.torch_dist import TorchDistConnector
 from afd_patches.connectors.torch_group import TorchGroupTransport
 from afd_patches.connectors.transport import BackendError
-from afd_patches.workers.common import FfnRoleMixin
+from afd_patches.workers.ffn import FfnRoleMixin
 
 
 def _port() -> int:
@@ -207,7 +207,6 @@ def _serve_once(model: _Model, dtype: str, device: str = "cpu", **patches: Any) 
     worker._afd_connector = conn
     worker._afd_model = lambda: model  # type: ignore[method-assign]
     worker._afd_cfg = AfdConfig(role="ffn")
-    worker._afd_form = lambda c, groups: True  # type: ignore[method-assign]
     thread = threading.Thread(target=worker._afd_serve)
     thread.start()
     thread.join(10)

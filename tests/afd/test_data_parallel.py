@@ -1,4 +1,4 @@
-"""``afd_patches.compat.data_parallel``: AFD attention ranks from vLLM's data-parallel ranks (no vLLM needed)."""
+"""``afd_patches.patches.data_parallel``: AFD attention ranks from vLLM's data-parallel ranks (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import pytest
 
 from afd_patches import AfdConfigError
-from afd_patches.compat.data_parallel import (
+from afd_patches.config import AfdConfig
+from afd_patches.patches.data_parallel import (
     attention_config,
     check_front_end,
     started_dp_ranks,
     vllm_keeps_lockstep,
 )
-from afd_patches.config import AfdConfig
 
 
 def _args(size: int = 1, rank: int | None = None, start: int | None = None,

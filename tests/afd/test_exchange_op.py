@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from afd_patches.models import exchange_op
-from afd_patches.models.common import AfdFfnProxy, AfdLink
+from afd_patches.models.ffn_proxy import AfdFfnProxy
+from afd_patches.models.link import AfdLink
 
 
 class Recorder:

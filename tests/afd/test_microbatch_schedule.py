@@ -12,7 +12,7 @@ import torch
 from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.v1.worker.ubatch_utils import UBatchSlice
 
-from afd_patches.models.common import AfdLink
+from afd_patches.models.link import AfdLink
 from afd_patches.models.microbatch import MicroBatchRunner
 
 

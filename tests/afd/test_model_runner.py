@@ -1,5 +1,5 @@
 """Which vLLM model runner a worker built, and the refusal of micro-batches no applied entry would split there
-(``afd_patches.compat.micro_batches``: ``runner_kind``, ``runner_name``, ``refuse_unless_split``), on real vLLM
+(``afd_patches.patches.micro_batches``: ``runner_kind``, ``runner_name``, ``refuse_unless_split``), on real vLLM
 classes (imported, never constructed) and patchkit records as ``patchkit.applied`` gives them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner as CpuRunnerV1
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GpuRunnerV2
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as GpuRunnerV1
 
-from afd_patches.compat.micro_batches import refuse_unless_split, runner_kind, runner_name
+from afd_patches.patches.micro_batches import refuse_unless_split, runner_kind, runner_name
 
 
 def _instance(cls: type) -> object:

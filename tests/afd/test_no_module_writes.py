@@ -101,7 +101,7 @@ def test_afd_patches_never_writes_into_a_vllm_module():
 
 
 @pytest.mark.parametrize("source", [
-    # what afd_patches.models.common did before the scoped-rebind manifest op
+    # what afd_patches' model module did before the scoped-rebind manifest op
     "import sys\nnamespace = sys.modules['vllm.model_executor.models.llama'].__dict__\nnamespace.update(x=1)\n",
     "import vllm.model_executor.models.llama as m\nvars(m)['LlamaMLP'] = object\n",
     "import vllm.model_executor.models.llama as m\nm.__dict__.update(LlamaMLP=object)\n",

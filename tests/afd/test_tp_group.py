@@ -56,7 +56,7 @@ class _Model:
 
 
 def _leader(channel: Any) -> dict[str, Any]:
-    from afd_patches.models.common import AfdGroupDown
+    from afd_patches.models.link import AfdGroupDown
     from afd_patches.workers import tp_group
 
     threading.Event().wait(1.5)  # the follower's first poll (0.5 s) times out
@@ -77,7 +77,7 @@ def _leader(channel: Any) -> dict[str, Any]:
 
 
 def _follower(channel: Any) -> dict[str, Any]:
-    from afd_patches.models.common import AfdGroupDown
+    from afd_patches.models.link import AfdGroupDown
     from afd_patches.workers import tp_group
 
     out: dict[str, Any] = {"first_poll": channel.take(0.5)}

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from afd_patches.compat.cpu_binding import _allowed_cpus
 from afd_patches.cores import derive, format_cores, parse_core_lists
+from afd_patches.patches.cpu_binding import _allowed_cpus
 from harness.engine import ARCH, ENGINE_TIMEOUT_S, kill, start, tail
 from harness.env import free_port
 

@@ -46,7 +46,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("afd-ubatch")
 
 
-# MLA models run unsplit (afd_patches.compat.micro_batches: split steps were not exact on vLLM's CPU MLA backend)
+# MLA models run unsplit (afd_patches.patches.micro_batches: split steps were not exact on vLLM's CPU MLA backend)
 UNSPLIT = {"deepseek_v2", "deepseek_v3"}
 
 

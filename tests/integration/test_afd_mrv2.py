@@ -5,7 +5,7 @@ CPU backend of ``harness.triton_cpu`` (spec ``runner: mrv2`` of ``harness.engine
 plugin. Checks, on the tiny Llama: plain MRV2's greedy tokens equal plain V1's (its logprobs may differ in the last
 bits: another sampler); AFD 1A1F under MRV2 is exact against plain MRV2 (greedy tokens and top-5 logprobs), with
 the usual role invariants and message accounting, and both roles name MRV2 as their runner; micro-batches under
-MRV2 (``afd_patches.compat.micro_batches_v2``) at N = 2 and 3 split steps (exchanges = micro-batches x layers) and
+MRV2 (``afd_patches.patches.micro_batches_v2``) at N = 2 and 3 split steps (exchanges = micro-batches x layers) and
 stay exact, also when a chunked prefill puts a micro-batch boundary inside a prompt, on every family plain vLLM
 runs here, and in 2A1F under both schedules; an MRV2 attention engine re-forms its group after an FFN restart
 and is exact again.
@@ -130,7 +130,7 @@ def test_mrv2_micro_batches_cut_inside_a_chunked_prompt_exactly(workdir: Path) -
     _check_split(attn, ffn, 2)
 
 
-# Run unsplit on MRV2 (afd_patches.compat.micro_batches_v2): MLA attention, recurrent state.
+# Run unsplit on MRV2 (afd_patches.patches.micro_batches_v2): MLA attention, recurrent state.
 MRV2_UNSPLIT = {"deepseek_v2", "deepseek_v3", "qwen3_next"}
 
 

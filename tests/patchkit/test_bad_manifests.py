@@ -247,7 +247,8 @@ workers:
   role: attention
   overrides:
     - {role: attention, class: pkvictim.repl:Foo}
-"""), e(10, "workers.role", "unknown key 'role' (allowed: after, at, fingerprint, on_drift, overrides, reviewed, role_of)")),
+"""), e(10, "workers.role",
+        "unknown key 'role' (allowed: after, at, fingerprint, on_drift, overrides, reviewed, role_of)")),
     Case("unknown-key-in-worker-override", HEAD.replace("patches:\n", """\
 workers:
   at: pkvictim:f

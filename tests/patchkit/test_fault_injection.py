@@ -122,17 +122,17 @@ TREE = {
         ModelRegistry = _Registry()
     """,
     "fkafd/__init__.py": "",
-    "fkafd/compat/__init__.py": "",
-    "fkafd/compat/engine_config.py": "CALLS = []\n\ndef role_of(config):\n    return None\n\n"
+    "fkafd/patches/__init__.py": "",
+    "fkafd/patches/engine_config.py": "CALLS = []\n\ndef role_of(config):\n    return None\n\n"
     + FACTORY.format(name="validate_afd_config"),
-    "fkafd/compat/cli_flags.py": "CALLS = []\n" + FACTORY.format(name="add_afd_cli_args")
+    "fkafd/patches/cli_flags.py": "CALLS = []\n" + FACTORY.format(name="add_afd_cli_args")
     + FACTORY.format(name="afd_from_cli_args"),
-    "fkafd/compat/outage.py": "CALLS = []\n" + FACTORY.format(name="step_outliving_ffn")
+    "fkafd/patches/outage.py": "CALLS = []\n" + FACTORY.format(name="step_outliving_ffn")
     + FACTORY.format(name="generate_naming_afd") + FACTORY.format(name="check_health_with_afd_group"),
-    "fkafd/compat/micro_batches.py": "CALLS = []\n" + FACTORY.format(name="split_afd_steps"),
-    "fkafd/compat/micro_batches_v2.py": "CALLS = []\n" + FACTORY.format(name="split_afd_steps_v2")
+    "fkafd/patches/micro_batches.py": "CALLS = []\n" + FACTORY.format(name="split_afd_steps"),
+    "fkafd/patches/micro_batches_v2.py": "CALLS = []\n" + FACTORY.format(name="split_afd_steps_v2")
     + FACTORY.format(name="build_ubatch_runner"),
-    "fkafd/compat/cpu_binding.py": "CALLS = []\n" + FACTORY.format(name="omp_manager_init"),
+    "fkafd/patches/cpu_binding.py": "CALLS = []\n" + FACTORY.format(name="omp_manager_init"),
     "fkafd/extra.py": "CALLS = []\nFLAG = object()\n\ndef helper(x):\n    return ('replaced', x)\n\n"
     + FACTORY.format(name="compute_wrap"),
     "fkafd/fault_import.py": "import fk_no_such_module_anywhere\n\ndef thing(original, *a, **k):\n    return 1\n",
@@ -147,7 +147,7 @@ def fk(ref: str) -> str:
 def _scoped_tree() -> dict[str, str]:
     """Fake vLLM model modules and fkafd proxies for the real manifest's scoped-rebind entries."""
     files = {"fkafd/models/__init__.py": "",
-             "fkafd/models/common.py": "def building_attention_model(*args, **kwargs):\n    return False\n"}
+             "fkafd/models/ffn_proxy.py": "def building_attention_model(*args, **kwargs):\n    return False\n"}
     for entry in (p for p in resolved(REAL).doc["patches"] if p["op"] == "scoped-rebind"):
         module, _, qualname = fk(entry["target"]).partition(":")
         owner = qualname.split(".")[0]

@@ -239,7 +239,7 @@ def test_afd_refuses_the_feature_by_name_and_still_runs(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     import patchkit
-    from afd_patches.compat import engine_config
+    from afd_patches.patches import engine_config
     from patchkit.plan import ModelRegistration
 
     path, tree = _featured(tmp_path)

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from afd_patches.compat import micro_batches
+from afd_patches.patches import micro_batches
 
 
 def split_afd_steps_v2(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

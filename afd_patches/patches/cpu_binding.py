@@ -130,7 +130,7 @@ def omp_manager_init(original: Callable[..., Any], manager: Any, config: Any, *a
 
     afd = AfdConfig(**raw)  # stored normalized (to_dict) by the front end's validate_afd_config
     if afd.role == "attention":  # under vLLM data parallelism: this engine's rank is its DP rank
-        from afd_patches.compat import data_parallel
+        from afd_patches.patches import data_parallel
 
         afd = data_parallel.attention_config(config, afd)
     mask, source = choose(afd, config)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from afd_patches.compat.engine_config import role_of
+from afd_patches.patches.engine_config import role_of
 
 
 def skip_on_ffn_role(original: Callable[..., Any], model_runner: Any, worker_execute_model: Any,

@@ -1,26 +1,16 @@
-"""Role-splitting machinery shared by every AFD model variant.
+"""The role split of every AFD model variant: ``AfdCausalLMMixin`` and the helpers family modules share.
 
 ``AfdCausalLMMixin`` goes first in the bases of a vLLM ``*ForCausalLM`` class
 (``class AFDLlamaForCausalLM(AfdCausalLMMixin, LlamaForCausalLM)``). It reads
-the role from ``vllm_config.additional_config["afd"]`` and:
+the role from ``vllm_config.additional_config["afd"]`` (``afd_config_of``) and:
 
-- attention role: delegates to vLLM's ``__init__`` with this thread marked as
-  building an attention-role model (``building_attention_model``). The family's
-  ``op: scoped-rebind`` manifest entry (one per family, e.g. ``afd.llama.ffn-proxies``)
-  binds, for that one call, the names under which the decoder layer's module refers
-  to its FFN classes to parameter-free proxy classes (``proxy_type``, one module-level
-  ``<Class>Proxy`` per FFN class in the family's module); patchkit applies, reports,
-  reverts and locks that rebinding like every other change to vLLM, and this module
-  never writes into a vLLM module. vLLM's decoder layers therefore build an
-  ``AfdFfnProxy`` in place of each MLP/MoE block: no FFN parameter, buffer or
-  forward-context entry is ever created on this role, on any device. A proxy
-  is also an instance of the FFN class it stands in for, so vLLM's own type
-  checks (MoE bookkeeping, DeepSeek's float16 rescaling of dense MLP outputs)
-  behave as without AFD; MoE proxies report no experts. Every layer call sends
-  the post-attention-norm hidden states through the connector and returns what
-  comes back, through the registered operator ``afd::exchange``
-  (``afd_patches.models.exchange_op``), which vLLM's compiler treats as opaque.
-  ``load_weights`` drops the FFN weights before delegating to vLLM.
+- attention role: makes the model's ``AfdLink`` (``afd_patches.models.link``) and delegates to vLLM's
+  ``__init__`` inside ``ffn_proxy.building(link)``, so vLLM's decoder layers build a parameter-free
+  ``AfdFfnProxy`` in place of each MLP/MoE block (``afd_patches.models.ffn_proxy`` tells how); no FFN
+  parameter, buffer or forward-context entry is ever created on this role. Every layer call sends the
+  post-attention-norm hidden states through the connector and returns what comes back, through the
+  registered operator ``afd::exchange`` (``afd_patches.models.exchange_op``), which vLLM's compiler treats
+  as opaque. ``load_weights`` drops the FFN weights before delegating to vLLM.
 - FFN role: builds only ``model.layers[i].<afd_ffn_attr>`` (via the subclass's
   ``afd_build_ffn``; ``afd_build_ffn_layer`` for a layer with several FFN
   modules), so parameter names match the checkpoint, and loads only those
@@ -39,291 +29,36 @@ the role from ``vllm_config.additional_config["afd"]`` and:
   ``afd_exchanges_per_step()``, part of the roles' identity). A step then makes
   that many round trips per layer; the FFN role holds no state between them.
 
+The helpers (``build_dense_mlp``, ``copy_expert_counts``, ``adopt_moe_blocks``) build an FFN role's modules
+and MoE bookkeeping the way vLLM's own ``__init__`` would.
+
 Limits: no pipeline parallelism (every layer must be local), no LoRA on FFN
-modules; on CUDA only piecewise CUDA graphs (``afd_patches.compat.compilation``). The
-rebinding lasts for the attention model's ``__init__`` only, under patchkit's process-wide lock: another
-thread that builds a plain model of the same vLLM module at that moment would
-get proxies too (vLLM builds one model per worker process). A vLLM whose
-decoder-layer module stops naming an FFN class is refused by patchkit with an error
-naming the module and the class; one that builds an FFN module some other way, or a
-process where the scoped-rebind entry is not applied, is refused after construction
-(a layer without a proxy).
+modules; on CUDA only piecewise CUDA graphs (``afd_patches.patches.compilation``).
+A vLLM whose decoder-layer module stops naming an FFN class is refused by patchkit
+with an error naming the module and the class; one that builds an FFN module some
+other way, or a process where the family's scoped-rebind entry is not applied, is
+refused after construction (a layer without a proxy, ``afd_check_attention_layers``).
 """
 
 from __future__ import annotations
 
 import re
-import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from afd_patches import trace
 from afd_patches.config import AfdConfig, from_additional_config
-from afd_patches.connectors.base import ConnectorError
 from afd_patches.metrics import METRICS
-from afd_patches.models import exchange_op, microbatch
+from afd_patches.models import microbatch
+from afd_patches.models.ffn_proxy import AfdFfnProxy, building
+from afd_patches.models.link import AfdLink
 from afd_patches.topology import ATTENTION, FFN
 
 if TYPE_CHECKING:
     from afd_patches.connectors.base import Connector
-
-
-
-class AfdGroupDown(ConnectorError):
-    """The attention rank has no AFD group now (its FFN role was lost; the worker is re-forming the group)."""
-
-
-class PendingExchange:
-    """A sent layer whose FFN output has not been received yet (``AfdLink.send``'s handle)."""
-
-    __slots__ = ("device", "dtype", "layer", "link", "microbatch", "sent_at", "shape", "step")
-
-    def __init__(self, link: AfdLink, layer: int, step: int, hidden: torch.Tensor, microbatch: int) -> None:
-        self.link, self.layer, self.step, self.microbatch = link, layer, step, microbatch
-        self.shape, self.device, self.dtype = hidden.shape, hidden.device, hidden.dtype
-        self.sent_at = time.perf_counter()
-
-    def wait(self) -> torch.Tensor:
-        """The FFN output for the sent hidden states (same shape, device and dtype)."""
-        return self.link.wait(self)
-
-
-class AfdLink:
-    """The attention side's end of the exchange: connector plus forward-step counter.
-
-    ``begin_step()`` is called once per model forward; ``exchange()`` once per
-    layer per forward and micro-batch, so ``exchanges == layers * steps`` without
-    micro-batches. ``exchange`` is ``send`` then ``wait`` on the handle it returns;
-    inside a micro-batch (``afd_patches.models.microbatch``) it hands the baton to
-    the next micro-batch in between, so that one's attention overlaps this one's
-    FFN. ``pad_micro_batches`` (set by the attention worker): an unsplit step or an
-    idle step also sends empty micro-batches up to that count, so that every rank
-    an FFN rank batches sends the same messages per layer. ``lock`` is held for a whole
-    step (real forward or ``idle_step``), so steps never interleave on the
-    connector, and ``swap()`` (the worker replacing a lost group's connector)
-    never happens inside a step. ``op_id`` is this link's index for the
-    ``afd::exchange`` operator.
-
-    While the group is down (``down`` names why; ``connector`` is None) every
-    exchange raises ``AfdGroupDown`` with that reason, and idle steps are skipped.
-    """
-
-    def __init__(self, num_layers: int = 0, hidden_size: int = 0, dtype: torch.dtype = torch.float32,
-                 folded_attrs: frozenset[str] = frozenset(), slots: tuple[str, ...] = ()) -> None:
-        self.connector: Connector | None = None
-        self.folded_attrs = folded_attrs  # FFN modules whose proxies add nothing (``afd_folded_ffn_attrs``)
-        self.slots = slots  # FFN modules exchanged one by one per layer (``afd_exchange_slots``)
-        self.step = -1
-        self.exchanges = 0
-        self.idle_steps = 0
-        self.num_layers = num_layers
-        self.num_exchanges = num_layers * max(1, len(slots))  # per step
-        self.hidden_size = hidden_size
-        self.dtype = dtype
-        self.lock = threading.RLock()
-        self.last_active = time.monotonic()
-        self.op_id = exchange_op.register(self)
-        self.down: str | None = None
-        self.pad_micro_batches = 1
-        self._since: dict[int, float] = {}
-        self.micro_batches = 0  # over every step: the micro-batches they ran in (1 for a step not split)
-
-    def swap(self, connector: Connector | None, down: str | None = None) -> Connector | None:
-        """Between steps, bind ``connector`` (None: the group is down because of ``down``); return the old one."""
-        with self.lock:
-            old, self.connector, self.down = self.connector, connector, (None if connector else down)
-        return old
-
-    def exchange_index(self, layer: int, path: str) -> int:
-        """The exchange index of the FFN module at ``path`` under decoder layer ``layer`` (``layer`` itself
-        unless the family has ``slots``); ``ValueError`` for a module that is not exchanged."""
-        if not self.slots:
-            return layer
-        if path not in self.slots:
-            raise ValueError(f"AFD: an FFN module was built at layers.{layer}.{path}, not one of {self.slots}")
-        return layer * len(self.slots) + self.slots.index(path)
-
-    def begin_step(self) -> int:
-        self.step += 1
-        self._since = {0: trace.now_us()}  # micro-batch -> when it last started computing (trace)
-        return self.step
-
-    def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
-        """Send ``hidden`` for ``layer`` of the current step (and micro-batch); return the FFN output (same
-        shape)."""
-        turn = microbatch.current()
-        if turn is None:
-            sent_at = trace.now_us()
-            pending = self.send(hidden, layer)
-            pads = [self.send(hidden[:0], layer, k) for k in range(1, self.pad_micro_batches)]
-            waited_at = trace.now_us()
-            out = pending.wait()
-            for pad in pads:
-                pad.wait()
-            self._trace(layer, 0, self._since.get(0, sent_at), sent_at, waited_at, waited_at)
-            return out
-        baton, k = turn
-        sent_at = trace.now_us()
-        pending = self.send(hidden, layer, k)
-        handed_at = trace.now_us()
-        baton.hand_over(k)
-        waited_at = trace.now_us()
-        out = pending.wait()
-        self._trace(layer, k, self._since.get(k, baton.first_taken_at[k]), sent_at, handed_at, waited_at)
-        return out
-
-    def _trace(self, layer: int, k: int, since: float, sent_at: float, handed_at: float, waited_at: float) -> None:
-        """Trace one exchange of micro-batch ``k`` (``afd_patches.trace``): its attention from ``since``, the
-        send, the wait; the micro-batch computes again from now."""
-        now = trace.now_us()
-        if trace.TRACER.enabled:
-            thread, tags = f"micro-batch {k}", {"layer": layer, "microbatch": k, "step": self.step}
-            trace.TRACER.event("attention", thread, since, sent_at, **tags)
-            trace.TRACER.event("send", thread, sent_at, handed_at, **tags)
-            trace.TRACER.event("wait", thread, waited_at, now, **tags)
-        self._since[k] = now
-
-    def send(self, hidden: torch.Tensor, layer: int, microbatch: int = 0) -> PendingExchange:
-        """Send ``hidden`` for ``layer`` of the current step; the handle whose ``wait()`` returns the answer."""
-        if self.connector is None:
-            if self.down is not None:
-                raise AfdGroupDown(self.down)
-            raise RuntimeError(
-                "AFD attention model ran a forward before a connector was bound "
-                "(the attention role needs afd_patches' attention worker)"
-            )
-        self.connector.send_attn_output(hidden.contiguous(), layer, self.step, microbatch)
-        return PendingExchange(self, layer, self.step, hidden, microbatch)
-
-    def wait(self, pending: PendingExchange) -> torch.Tensor:
-        """Receive the FFN output for ``pending`` (see ``send``); checked against the sent shape."""
-        if self.connector is None:
-            raise RuntimeError("AFD: the connector was closed while an exchange was pending")
-        waited_at = time.perf_counter()
-        out = self.connector.recv_ffn_output(pending.layer, pending.step, pending.microbatch)
-        METRICS.exchanged(pending.sent_at, waited_at, time.perf_counter())
-        if pending.microbatch == 0:
-            self.exchanges += 1
-        if out.shape != pending.shape:
-            raise RuntimeError(f"AFD layer {pending.layer} step {pending.step}: FFN returned {tuple(out.shape)}, "
-                               f"expected {tuple(pending.shape)}")
-        return out.to(device=pending.device, dtype=pending.dtype)
-
-    def try_idle_step(self, idle_for_s: float) -> bool:
-        """A zero-token step (every layer, empty tensors) if no step ran for ``idle_for_s``.
-
-        Keeps an idle attention rank in step with the busy ranks that share its
-        FFN rank. Non-blocking: returns False when a real step holds the lock,
-        and while the group is down.
-        """
-        if time.monotonic() - self.last_active < idle_for_s or not self.lock.acquire(blocking=False):
-            return False
-        try:
-            if self.connector is None:
-                return False
-            self.begin_step()
-            empty = torch.empty((0, self.hidden_size), dtype=self.dtype)
-            for index in range(self.num_exchanges):
-                self.exchange(empty, index)
-            self.idle_steps += 1
-            self.last_active = time.monotonic()
-            return True
-        finally:
-            self.lock.release()
-
-
-class AfdFfnProxy(nn.Module):
-    """Stands in for a decoder layer's MLP/MoE on the attention role; holds no parameters.
-
-    Its forward is one ``afd::exchange`` operator call (traced as one opaque node when vLLM compiles).
-
-    ``folded``: it stands for a module whose output the FFN role adds into the exchanged one (a
-    shared expert that vLLM's decoder layer sums with the MoE output), so it returns zeros and
-    exchanges nothing; the decoder layer's sum then equals the FFN role's exactly (``0 + y == y``).
-
-    ``layer`` is its exchange index: the decoder layer's index, or for a family with
-    ``afd_exchange_slots`` the slot's (see the module docstring).
-    """
-
-    def __init__(self, link: AfdLink, layer: int, folded: bool = False) -> None:
-        nn.Module.__init__(self)  # not super(): in a proxy_type the FFN class follows in the MRO
-        self.layer = layer
-        self.folded = folded
-        self.link_id = link.op_id
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.folded:
-            return torch.zeros_like(hidden_states)
-        return exchange_op.exchange(hidden_states, self.link_id, self.layer)
-
-    def extra_repr(self) -> str:
-        return f"layer={self.layer}" + (", folded" if self.folded else "")
-
-
-class _NoExperts:
-    """MoE bookkeeping a proxy for a MoE block reports to vLLM's model ``__init__``: no local experts."""
-
-    experts = None
-    n_logical_experts = n_physical_experts = n_local_physical_experts = 0
-    n_routed_experts = n_shared_experts = n_redundant_experts = 0
-    is_fused_shared_expert_enabled = False
-
-
-_BUILDING = threading.local()  # .link: the AfdLink of the attention model this thread is building
-_PROXY_TYPES: dict[tuple[type, bool], type] = {}
-_LAYER_OF_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.([^.]+(?:\.\d+)?)$")  # layer, path (``mlps.0``)
-
-
-def _proxy_init(self: AfdFfnProxy, *args: Any, **kwargs: Any) -> None:
-    """Construct a proxy from the arguments vLLM's decoder layer passes to the FFN class (only ``prefix`` is read)."""
-    link = getattr(_BUILDING, "link", None)
-    if link is None:
-        raise RuntimeError(f"{type(self).__name__} is built only while an AFD attention-role model is built")
-    prefix = kwargs.get("prefix", "")
-    match = _LAYER_OF_PREFIX.search(prefix) if isinstance(prefix, str) else None
-    if match is None:
-        raise RuntimeError(f"AFD: an FFN module was built with prefix {prefix!r}, which names no decoder layer")
-    layer, path = int(match.group(1)), match.group(2)
-    if not link.slots and "." in path:
-        raise RuntimeError(f"AFD: an FFN module was built with prefix {prefix!r}, which names no decoder layer")
-    AfdFfnProxy.__init__(self, link, link.exchange_index(layer, path), folded=path in link.folded_attrs)
-
-
-def proxy_type(ffn_cls: type[nn.Module], moe: bool = False) -> type[AfdFfnProxy]:
-    """The parameter-free proxy class standing in for ``ffn_cls`` (one per class, cached).
-
-    It subclasses ``AfdFfnProxy`` (whose ``forward`` wins) and ``ffn_cls`` (for
-    ``isinstance``), and its constructor accepts ``ffn_cls``'s arguments without
-    running ``ffn_cls.__init__``. ``moe``: also report no experts (``_NoExperts``).
-    """
-    key = (ffn_cls, moe)
-    if key not in _PROXY_TYPES:
-        bases = (AfdFfnProxy, _NoExperts, ffn_cls) if moe else (AfdFfnProxy, ffn_cls)
-        _PROXY_TYPES[key] = type(f"Afd{ffn_cls.__name__}Proxy", bases, {
-            "__init__": _proxy_init, "__module__": __name__,
-            "__doc__": f"Attention-role proxy for vLLM's ``{ffn_cls.__name__}`` (see ``proxy_type``)."})
-    return _PROXY_TYPES[key]
-
-
-def building_attention_model(*_args: Any, **_kwargs: Any) -> bool:
-    """``active_if`` of every family's scoped-rebind entry: whether this thread is inside an AFD
-    attention-role model's ``__init__`` (so a plain vLLM model built meanwhile is left alone)."""
-    return getattr(_BUILDING, "link", None) is not None
-
-
-@contextmanager
-def _building(link: AfdLink) -> Iterator[None]:
-    """Mark this thread as building ``link``'s attention-role model for the block."""
-    _BUILDING.link = link
-    try:
-        yield
-    finally:
-        _BUILDING.link = None
 
 
 def afd_config_of(vllm_config: Any) -> AfdConfig:
@@ -410,7 +145,7 @@ class AfdCausalLMMixin(nn.Module):
             hf_config = vllm_config.model_config.hf_text_config
             link = AfdLink(self.afd_num_layers(hf_config), hf_config.hidden_size, vllm_config.model_config.dtype,
                            frozenset(self.afd_folded_ffn_attrs), self.afd_exchange_slots)
-            with _building(link):  # the family's scoped-rebind entry binds the FFN classes to proxies now
+            with building(link):  # the family's scoped-rebind entry binds the FFN classes to proxies now
                 super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)  # type: ignore[call-arg]
             self.afd_role = ATTENTION
             self._afd_link = link

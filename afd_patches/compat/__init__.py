@@ -1,1 +1,0 @@
-"""Patch functions named by the manifests. Each is small and delegates to the original."""

@@ -1,0 +1,172 @@
+"""The attention role's worker behaviour: ``AttentionRoleMixin``, placed before a vLLM worker class.
+
+A normal vLLM worker with a KV cache. Asked for ``micro_batches`` > 1 it fails at start when the manifest
+entries that split steps on the model runner it built are not applied (``micro_batches.refuse_unless_split``).
+After the model is loaded it builds the connector named by the AFD config (``afd_patches.workers.connection``),
+connects (blocking until the FFN role is there, at most ``timeout_s``) and binds it to the model, so the
+warm-up/profile forwards that follow already exchange with the FFN role. It outlives its FFN role: a step
+that fails with a ``ConnectorError`` (the FFN died, restarted or went silent) raises ``AfdGroupDown`` naming
+AFD and the FFN's ``host:port``, and the group is re-formed in the background at the same address
+(``GroupKeeper``, ``afd_patches.workers.regroup``); ``afd_group_status()`` reports it to the engine core and
+the API server, which fail the requests and report unhealthy meanwhile (``afd_patches.patches.outage``).
+Through ``collective_rpc`` it exposes ``afd_stats()`` (``afd_patches.workers.role``, plus ``group``, its
+``afd_group_status()``) and ``afd_group_status()``; it starts the ``vllm:afd_*`` metrics writer and keeps
+the ``vllm:afd_group_up`` gauge (``afd_patches.metrics``).
+
+Lockstep (rA:1F, ``schedule: batched``): an idle vLLM engine does not step, yet the FFN rank waits for every
+attention rank it serves before its one batched call. So when an FFN rank serves more than one attention
+rank, each attention worker runs an idle ticker (not with ``schedule: pingpong``, where the FFN rank serves
+each rank's layer as it arrives, nor in a vLLM data-parallel engine that vLLM steps with its peers by dummy
+batches, ``afd_patches.patches.data_parallel``): after ``IDLE_TICK_S`` without a step it runs a zero-token
+step (every layer, empty tensors) through the connector. Busy ranks then wait at most about ``IDLE_TICK_S``
+per step for idle ones; a rank that stalls (no step within ``timeout_s`` of the others) is dropped by the
+FFN rank and re-joins through its ``GroupKeeper`` (``afd_patches.connectors.schedule``). Idle ranks' step
+ids differ from busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
+
+Under attention TP only TP rank 0 exchanges; the others take its answers (``afd_patches.workers.tp_group``).
+Limits: idle ticks cost empty exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
+attention rank that shuts down counts as idle from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from afd_patches import LOGGER, metrics, trace
+from afd_patches.connectors.base import ConnectorError
+from afd_patches.connectors.options import Options
+from afd_patches.models.causal_lm import afd_config_of
+from afd_patches.patches import data_parallel, micro_batches
+from afd_patches.workers import tp_group
+from afd_patches.workers.connection import build_connector, model_identity
+from afd_patches.workers.regroup import GroupKeeper, idle_wait_s
+from afd_patches.workers.role import RoleBase
+
+logger = logging.getLogger(LOGGER)
+
+IDLE_TICK_S = 0.02
+
+
+class AttentionRoleMixin(RoleBase):
+    """Attention role: connect after loading the model and bind the connector to it; outlive the FFN role."""
+
+    _afd_keeper: GroupKeeper | None = None
+    _afd_micro = (1, 1)  # micro_batches, micro_batch_min_tokens (connector_extra_config)
+    _afd_tp_target: tp_group.AttentionLeader | tp_group.AttentionFollower | None = None  # under attention TP
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        cfg = data_parallel.attention_config(self.vllm_config, afd_config_of(self.vllm_config))
+        opts = Options.parse(cfg.connector_extra_config)
+        self._afd_micro = (opts.micro_batches, opts.micro_batch_min_tokens)
+        tp = tp_group.TpChannel.of_worker()
+        if tp is not None and opts.micro_batches > 1:
+            raise ValueError(f"AFD micro-batches (micro_batches={opts.micro_batches}) are not supported with "
+                             f"tensor parallelism on the attention role (--tensor-parallel-size {tp.size})")
+        self._afd_note_runner("attention")
+        import patchkit
+
+        # before connecting: fail at start
+        micro_batches.refuse_unless_split(self.model_runner, opts.micro_batches, patchkit.applied("afd"))
+        if opts.micro_batches > 1:  # before the KV cache: vLLM makes one metadata builder per micro-batch
+            self.vllm_config.parallel_config.ubatch_size = opts.micro_batches
+            micro_batches.ask(opts.micro_batches, opts.micro_batch_min_tokens)
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        model = self._afd_model()
+        if not hasattr(model, "afd_bind"):
+            raise RuntimeError(
+                f"AFD attention role needs an AFD<Arch> model, got {type(model).__name__}; "
+                "select it with hf_overrides={'architectures': ['AFD<Arch>']}")
+        if tp is not None:  # one AFD rank per TP group: its TP rank 0 exchanges, the others take its answers
+            self._afd_tp_target = tp_group.bind_attention(model.afd_link(), tp)
+            if not tp.leader:
+                logger.info("AFD attention rank %d, TP rank %d: follows its TP rank 0", cfg.rank, tp.rank)
+                return
+        identity = model_identity(self.vllm_config, model)
+        connector = build_connector(cfg, identity)
+        metrics.start_writer("attention", cfg.rank)
+        trace.TRACER.start("attention", cfg.rank)
+        t0 = time.monotonic()
+        connector.init()
+        logger.info("AFD attention rank %d connected in %.1fs", cfg.rank, time.monotonic() - t0)
+        model.afd_bind(connector)
+        if cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched":
+            model.afd_link().pad_micro_batches = opts.micro_batches  # its FFN rank batches ranks by micro-batch
+        if opts.micro_batches > 1:
+            logger.info("AFD attention rank %d: steps of at least %d tokens run as %d micro-batches", cfg.rank,
+                        opts.micro_batch_min_tokens, opts.micro_batches)
+        self._afd_keeper = GroupKeeper(cfg, lambda: build_connector(cfg, identity), model.afd_link(), connector,
+                                       idle_wait_s(cfg))
+        self._afd_ticker_stop = threading.Event()
+        if (cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched"
+                and not data_parallel.vllm_keeps_lockstep(self.vllm_config)):
+            threading.Thread(target=self._afd_tick, args=(model.afd_link(),), name=f"afd-idle-{cfg.rank}",
+                             daemon=True).start()
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's step; a connector error (the FFN role lost) becomes ``AfdGroupDown`` naming the FFN's address,
+        and the group is re-formed in the background (``afd_patches.workers.regroup``)."""
+        try:
+            with micro_batches.in_step(*self._afd_micro):
+                return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+        except ConnectorError as e:
+            if self._afd_keeper is None:
+                raise
+            raise self._afd_keeper.lost(e) from e
+
+    def _afd_tick(self, link: Any) -> None:
+        """Zero-token steps while this engine is idle, so the FFN rank's batch never waits forever."""
+        while not self._afd_ticker_stop.wait(IDLE_TICK_S):
+            try:
+                link.try_idle_step(IDLE_TICK_S)
+            except ConnectorError as e:
+                if self._afd_ticker_stop.is_set() or self._afd_keeper is None:
+                    return
+                self._afd_keeper.lost(e)  # idle steps resume once the group has re-formed
+            except Exception:
+                if not self._afd_ticker_stop.is_set():
+                    logger.exception("AFD idle step failed; stopping the idle ticker")
+                return
+
+    def afd_group_status(self) -> dict[str, Any]:
+        """Whether this rank has a group now, and the last outage (see ``GroupKeeper.status``)."""
+        if isinstance(self._afd_tp_target, tp_group.AttentionFollower):
+            return tp_group.follower_status(self._afd_tp_target.channel.rank)
+        if self._afd_keeper is None:
+            return {"role": "attention", "up": False, "error": "AFD: the attention worker has no group yet",
+                    "since": None, "outages": 0, "reformations": 0, "address": None}
+        return self._afd_keeper.status()
+
+    def afd_stats(self) -> dict[str, Any]:
+        """Stats between steps (waits up to 5 s for a step in flight, so counts are consistent)."""
+        lock = self._afd_model().afd_link().lock
+        locked = lock.acquire(timeout=5.0)
+        try:
+            stats = self._afd_common_stats("attention")
+            if self._afd_keeper is not None:
+                stats["messages_sent"], stats["messages_received"] = self._afd_keeper.messages()
+                stats["group"] = self._afd_keeper.status()
+            if self._afd_tp_target is not None:
+                stats["tp_rank"] = self._afd_tp_target.channel.rank
+                if isinstance(self._afd_tp_target, tp_group.AttentionFollower):
+                    stats["tp_answers_taken"] = self._afd_tp_target.exchanges
+            return stats
+        finally:
+            if locked:
+                lock.release()
+
+    def afd_close(self) -> None:
+        """Stop re-forming and close the connector (the FFN role then sees ConnectorClosed). Idempotent."""
+        stop = getattr(self, "_afd_ticker_stop", None)
+        if stop is not None:
+            stop.set()
+        if self._afd_keeper is not None:
+            self._afd_keeper.stop()
+
+    def shutdown(self) -> None:
+        try:
+            self.afd_close()
+        finally:
+            super().shutdown()  # type: ignore[misc]
