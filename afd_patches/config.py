@@ -24,7 +24,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from functools import cache
 from typing import Any, Literal
 
-from afd_patches import CONFIG_KEY, AfdConfigError, config_schema
+from afd_patches import CONFIG_KEY, AfdConfigError, config_schema, topology
 from afd_patches.connectors.options import SCHEDULES
 
 
@@ -233,14 +233,13 @@ def _check_numbers(values: dict[str, Any]) -> None:
 
 
 def _check_topology(cfg: AfdConfig) -> None:
+    """The rules of ``afd_patches.topology``, reported on the key at fault."""
     a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
-    if a < f:
-        raise _fail("num_ffn_ranks", f"{f} FFN ranks for {a} attention ranks; need A >= F")
-    if a % f:
-        raise _fail("num_attention_ranks", f"{a} is not a multiple of num_ffn_ranks={f}")
-    count = a if cfg.role == "attention" else f
-    if cfg.rank >= count:
-        raise _fail("rank", f"{cfg.rank} is out of range for {count} {cfg.role} rank(s)")
+    try:
+        topology.validate(a, f)
+        topology.check_rank(cfg.rank, a if cfg.role == topology.ATTENTION else f, cfg.role)
+    except topology.TopologyError as e:
+        raise _fail(e.key, str(e)) from None
 
 
 def _check_connector(cfg: AfdConfig) -> None:

@@ -16,8 +16,9 @@ Global ranks (inside the connector's own process group)
     is ``A + F``. Global rank 0 (FFN rank 0) therefore hosts the group's TCP
     store, so the FFN role must be reachable at the configured host and port.
 
-All functions are pure and raise ``ValueError`` with a message naming the bad
-value; they never touch torch or vLLM.
+These are the only topology rules: ``afd_patches.config`` checks a user's config with ``validate`` and
+``check_rank``. All functions are pure and raise ``TopologyError`` (a ``ValueError``) whose ``key`` is the
+config key at fault and whose message names the bad value; they never touch torch or vLLM.
 """
 
 from __future__ import annotations
@@ -27,29 +28,36 @@ FFN = "ffn"
 ROLES = (ATTENTION, FFN)
 
 
+class TopologyError(ValueError):
+    """A topology rule broken: ``key`` is the config key at fault (``num_attention_ranks``, ``num_ffn_ranks``
+    or ``rank``), the message says what is wrong without repeating it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 def validate(num_attention: int, num_ffn: int) -> None:
-    """Check an ``A:F`` topology; raise ``ValueError`` explaining what is wrong."""
+    """Check an ``A:F`` topology; raise ``TopologyError`` explaining what is wrong."""
     for name, value in (("num_attention_ranks", num_attention), ("num_ffn_ranks", num_ffn)):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an int, not {type(value).__name__}")
+            raise TopologyError(name, f"{name} must be an int, not {type(value).__name__}")
         if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise TopologyError(name, f"{name} must be >= 1, got {value}")
     if num_attention < num_ffn:
-        raise ValueError(
-            f"{num_ffn} FFN ranks for {num_attention} attention ranks: need num_attention_ranks >= num_ffn_ranks"
-        )
+        raise TopologyError("num_ffn_ranks", f"{num_ffn} FFN ranks for {num_attention} attention ranks: need A >= F "
+                            "(num_attention_ranks >= num_ffn_ranks)")
     if num_attention % num_ffn:
-        raise ValueError(
-            f"num_attention_ranks={num_attention} is not a multiple of num_ffn_ranks={num_ffn}: "
-            "every FFN rank must serve the same number of attention ranks"
-        )
+        raise TopologyError("num_attention_ranks", f"{num_attention} is not a multiple of num_ffn_ranks={num_ffn}: "
+                            "every FFN rank must serve the same number of attention ranks")
 
 
-def _check_rank(rank: int, count: int, role: str) -> None:
+def check_rank(rank: int, count: int, role: str) -> None:
+    """``rank`` must be a role rank of ``role``, which has ``count`` of them."""
     if isinstance(rank, bool) or not isinstance(rank, int):
-        raise ValueError(f"{role} rank must be an int, not {type(rank).__name__}")
+        raise TopologyError("rank", f"{role} rank must be an int, not {type(rank).__name__}")
     if not 0 <= rank < count:
-        raise ValueError(f"{role} rank {rank} is out of range for {count} {role} rank(s)")
+        raise TopologyError("rank", f"{role} rank {rank} is out of range for {count} {role} rank(s)")
 
 
 def ranks_per_ffn(num_attention: int, num_ffn: int) -> int:
@@ -61,14 +69,14 @@ def ranks_per_ffn(num_attention: int, num_ffn: int) -> int:
 def ffn_rank_of(attn_rank: int, num_attention: int, num_ffn: int) -> int:
     """The FFN role rank that serves attention role rank ``attn_rank``."""
     per = ranks_per_ffn(num_attention, num_ffn)
-    _check_rank(attn_rank, num_attention, ATTENTION)
+    check_rank(attn_rank, num_attention, ATTENTION)
     return attn_rank // per
 
 
 def attention_ranks_of(ffn_rank: int, num_attention: int, num_ffn: int) -> list[int]:
     """The attention role ranks served by FFN role rank ``ffn_rank``, ascending."""
     per = ranks_per_ffn(num_attention, num_ffn)
-    _check_rank(ffn_rank, num_ffn, FFN)
+    check_rank(ffn_rank, num_ffn, FFN)
     return list(range(ffn_rank * per, (ffn_rank + 1) * per))
 
 
@@ -82,10 +90,10 @@ def global_rank(role: str, rank: int, num_attention: int, num_ffn: int) -> int:
     """Global rank of a role rank in the connector's group (FFN-first ordering)."""
     validate(num_attention, num_ffn)
     if role == FFN:
-        _check_rank(rank, num_ffn, FFN)
+        check_rank(rank, num_ffn, FFN)
         return rank
     if role == ATTENTION:
-        _check_rank(rank, num_attention, ATTENTION)
+        check_rank(rank, num_attention, ATTENTION)
         return num_ffn + rank
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
@@ -93,7 +101,7 @@ def global_rank(role: str, rank: int, num_attention: int, num_ffn: int) -> int:
 def role_of_global(global_rank_: int, num_attention: int, num_ffn: int) -> tuple[str, int]:
     """Inverse of ``global_rank``: ``(role, role rank)`` of a global rank."""
     validate(num_attention, num_ffn)
-    _check_rank(global_rank_, num_attention + num_ffn, "global")
+    check_rank(global_rank_, num_attention + num_ffn, "global")
     if global_rank_ < num_ffn:
         return FFN, global_rank_
     return ATTENTION, global_rank_ - num_ffn
