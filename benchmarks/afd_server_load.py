@@ -49,6 +49,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, TypeVar
 
+from benchmarks import record
 from harness.env import REPO, free_port, vllm_env
 from harness.tiny_model import build
 from harness.tiny_tokenizer import build_tokenizer
@@ -279,6 +280,10 @@ def main() -> None:
     parser.add_argument("--ffn-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for the FFN servers only")
     parser.add_argument("--pin", action="store_true", help="plain+attention on core 0, FFN on core 1")
     parser.add_argument("--timings", action="store_true", help="per-call timing counters (timing_hook/)")
+    parser.add_argument("--plain-best", default="nobind",
+                        help="VLLM_CPU_OMP_THREADS_BIND of a second plain server (plain tuned on the same cores); "
+                             "'' for none")
+    record.add_argument(parser)
     args = parser.parse_args()
     env = vllm_env(PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)  # this checkout
@@ -294,6 +299,11 @@ def main() -> None:
         try:
             plain = Server("plain", model, work, [], env, "0" if args.pin else None)
             servers.append(plain)
+            plains = [plain]
+            if args.plain_best:
+                best_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": args.plain_best}
+                plains.append(Server("plain-best", model, work, [], best_env, "0" if args.pin else None))
+                servers.append(plains[-1])
             variants: list[tuple[str, Path | None]] = [(s, None) for s in schedules]
             if args.baseline:
                 variants.append((schedules[0], args.baseline.resolve()))
@@ -310,14 +320,15 @@ def main() -> None:
                 deployments.append(dep)
                 servers.append(dep.ffn)
             bring_up(servers, deployments)
-            targets = {"plain": [plain.port], **{d.label: [a.port for a in d.attns] for d in deployments}}
+            targets = {p.name: [p.port] for p in plains}
+            targets.update({d.label: [a.port for a in d.attns] for d in deployments})
             for ports in targets.values():
                 load(ports, model, 4, 8)  # warm-up
             time.sleep(3.0)
             idle = idle_cpu(servers, args.idle_s)
             before = {d.label: (read_timings(work / f"timings-{d.label}"), d.attns[0].latency(), d.ffn.latency())
                       for d in deployments}
-            groups = {"plain": [plain], **{d.label: d.servers for d in deployments}}
+            groups = {**{p.name: [p] for p in plains}, **{d.label: d.servers for d in deployments}}
             cpu: dict[str, float] = {}
 
             def measure(label: str) -> tuple[float, list[str]]:
@@ -337,12 +348,31 @@ def main() -> None:
             for s in reversed(servers):
                 s.stop()
     report(args, tps, loadavg, before, after, servers, idle)
+    if args.record:
+        record_ratio(args, tps, deployments[0].label)
     tokens = args.rounds * args.requests * args.tokens
     print("CPU per generated token (ms) during each side's own rounds, per server and process:")
     for label in tps:
         parts = {k: c for k, c in cpu.items() if k.split(" ", 1)[0] == label}
         print(f"  {label}: total {1e3 * sum(parts.values()) / tokens:.2f}; "
               + ", ".join(f"{k.split(' ', 1)[1]} {1e3 * c / tokens:.2f}" for k, c in sorted(parts.items())))
+
+
+def record_ratio(args: argparse.Namespace, tps: dict[str, list[float]], label: str) -> None:
+    """Record AFD's tok/s over plain's: the median of the per-round ratios against each plain server, the
+    lower one published (plain as users run it, and plain tuned, whichever is faster)."""
+    ratios = {plain: median(a / p for a, p in zip(tps[label], tps[plain], strict=True))
+              for plain in tps if plain.startswith("plain")}
+    lower = min(ratios, key=ratios.__getitem__)
+    against = ", ".join(f"{p} ({'bind ' + (args.plain_best if p == 'plain-best' else args.bind or 'auto')}) "
+                        f"{r:.2f}" for p, r in ratios.items())
+    record.write("afd_server_load", [
+        record.Figure("afd_over_plain", f"AFD {args.attention_ranks}A1F / plain vLLM, OpenAI servers, "
+                      f"{args.requests} concurrent × {args.tokens} tokens, tiny Llama, the same cores", ratios[lower],
+                      "×", 2, f"tokens/s, median of {args.rounds} rotated rounds, the lower of: {against}", readme=1),
+        *(record.Figure(f"{side}_tokens_per_s", f"{side}: decode tokens/s", median(rates), "tok/s", 0,
+                        f"per round {min(rates):.0f}–{max(rates):.0f}") for side, rates in tps.items()),
+    ])
 
 
 def report(args: argparse.Namespace, tps: dict[str, list[float]], loadavg: list[float], before: dict[str, Any],
@@ -356,9 +386,10 @@ def report(args: argparse.Namespace, tps: dict[str, list[float]], loadavg: list[
     print(f"load average (1 min) after each round: {', '.join(f'{x:.1f}' for x in loadavg)}")
     for label, rates in tps.items():
         line = f"{label:16s} tok/s per round: {', '.join(f'{x:6.0f}' for x in rates)}  median {median(rates):6.0f}"
-        if label != "plain":
-            ratios = [a / p for a, p in zip(rates, tps["plain"], strict=True)]
-            line += f"; / plain: {', '.join(f'{x:.2f}' for x in ratios)}, median {median(ratios):.2f}"
+        if not label.startswith("plain"):
+            for plain in (p for p in tps if p.startswith("plain")):
+                ratios = [a / p for a, p in zip(rates, tps[plain], strict=True)]
+                line += f"; / {plain}: {', '.join(f'{x:.2f}' for x in ratios)}, median {median(ratios):.2f}"
         print(line)
     print("completions equal plain's in every round")
     for label, (t0, (a0, an0), (f0, fn0)) in before.items():

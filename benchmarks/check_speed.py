@@ -21,7 +21,7 @@ warm-up run of ``run_check`` (imports, page cache). Wall time is what a user
 waits; CPU time (this process and its children: ``check`` forks one to use a
 second core) is printed too because a busy machine inflates wall time.
 
-Usage: ``python -m benchmarks.check_speed [--vllm SRC] [--repeat N]``.
+Usage: ``python -m benchmarks.check_speed [--vllm SRC] [--repeat N] [--record]``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks import record
 from patchkit.review.check import run_check
 from patchkit.review.static import open_tree
 
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm", default="installed", help="tree to check: installed, a folder or a wheel")
     parser.add_argument("--repeat", type=int, default=5)
+    record.add_argument(parser)
     args = parser.parse_args(argv)
 
     tree = open_tree(args.vllm)
@@ -155,6 +157,16 @@ def main(argv: list[str] | None = None) -> int:
               f"  naive/ours {naive_wall / wall:5.1f}x wall, {naive_cpu / cpu:5.1f}x CPU")
     print(f"  naive: ast.parse of all {parsed} files      {naive_wall:6.3f} / {naive_cpu:6.3f}")
     print(f"  the command, afd vllm-0.32.yaml, fresh process {cmd_wall:6.3f} / {cmd_cpu:6.3f}  (exit {cmd_code})")
+    if args.record:
+        where = "the installed vLLM tree" if args.vllm == "installed" else Path(args.vllm).name
+        figures = [record.Figure("command_s", f"`patchkit check` of the 0.32 manifest against {where}, the whole "
+                                 "command", cmd_wall, "s", 2, f"median of {args.repeat}, {cmd_cpu:.2f} s CPU; "
+                                 f"{len(tree.modules):,} modules in the tree", readme=5)]
+        figures += [record.Figure(f"in_process_{i}", f"`run_check`, {label}, in process", wall, "s", 2,
+                                  f"{cpu:.2f} s CPU") for i, (label, wall, cpu, _) in enumerate(rows)]
+        figures.append(record.Figure("naive_s", f"naive baseline: `ast.parse` of all {parsed:,} files", naive_wall,
+                                     "s", 1, f"{naive_cpu:.1f} s CPU"))
+        record.write("check_speed", figures)
     return 0
 
 

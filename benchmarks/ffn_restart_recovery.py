@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 from statistics import median
 
+from benchmarks import record
 from benchmarks.afd_server_load import ARCH, HOST, Server
 from harness.env import free_port, vllm_env
 from harness.tiny_model import build
@@ -49,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=5.0)
+    record.add_argument(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="afd-recovery-"))
     model = build_tokenizer(build(work / "tiny-llama", "llama"), vocab_size=512)
@@ -95,6 +97,16 @@ def main() -> None:
     print(f"median over {len(rows)} rounds: FFN start {median(r[0] for r in rows):.1f}s, recovery after FFN healthy "
           f"{median(r[1] for r in rows):.2f}s, whole outage {median(r[2] for r in rows):.1f}s "
           f"(load average {load[0]:.1f} / {load[1]:.1f}, {os.cpu_count()} CPUs)")
+    if args.record:
+        recovery = [r[1] for r in rows]
+        record.write("ffn_restart_recovery", [
+            record.Figure("recovery_s", "FFN engine restarted: its healthy restart → the attention engine's first "
+                          "answered request", median(recovery), "s", 2,
+                          f"median of {len(rows)} rounds, {min(recovery):.2f}–{max(recovery):.2f} s; in-flight "
+                          f"requests fail within `timeout_s` ({args.timeout_s:g} s here), naming the FFN", readme=3),
+            record.Figure("outage_s", "the whole outage: FFN server started → first answered request",
+                          median(r[2] for r in rows), "s", 1, "median; mostly the FFN server's own start"),
+        ])
 
 
 if __name__ == "__main__":

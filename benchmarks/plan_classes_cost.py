@@ -1,7 +1,7 @@
 """What ``patchkit.plan``'s ``_Record`` saves: importing the module as it is against the same module with
 ``@dataclass(frozen=True)`` generating ``__setattr__``, ``__delattr__``, ``__eq__`` and ``__repr__`` instead.
 
-    .venv/bin/python benchmarks/plan_classes_cost.py [--runs 15]
+    .venv/bin/python -m benchmarks.plan_classes_cost [--runs 15] [--record]
 
 Each variant is imported in ``--runs`` fresh interpreters that first import what ``plan`` imports (those are paid
 by the plugin hook either way); the figure is the median wall time of executing ``plan`` itself. The frozen
@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks import record
 
 REPO = Path(__file__).resolve().parent.parent
 RECORD_DECORATOR = "@dataclass(slots=True, kw_only=True, eq=False, repr=False)"
@@ -58,10 +60,17 @@ def median_ms(path: Path, runs: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
+    record.add_argument(parser)
     args = parser.parse_args()
+    figures = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, path in variants(Path(tmp)).items():
-            print(f"{name:22s} import of plan: median {median_ms(path, args.runs):6.2f} ms over {args.runs} runs")
+        for i, (name, path) in enumerate(variants(Path(tmp)).items()):
+            ms = median_ms(path, args.runs)
+            print(f"{name:22s} import of plan: median {ms:6.2f} ms over {args.runs} runs")
+            figures.append(record.Figure(f"plan_import_{i}", f"importing `patchkit.plan` (every vLLM process), {name}",
+                                         ms, "ms", 1, f"median of {args.runs} fresh interpreters"))
+    if args.record:
+        record.write("plan_classes_cost", figures)
 
 
 if __name__ == "__main__":

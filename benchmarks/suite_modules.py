@@ -1,6 +1,6 @@
 """Where the suite's time goes, per test module: the sum of each module's test times from a pytest JUnit file.
 
-    python -m benchmarks.suite_modules AFTER.xml... [--before BEFORE.xml...] [--top 25]
+    python -m benchmarks.suite_modules AFTER.xml... [--before BEFORE.xml...] [--top 25] [--log OUTPUT --record]
 
 Prints a Markdown table, slowest module first: tests, failures, seconds (setup + call + teardown, as JUnit
 records them; several files are summed, e.g. the two sessions of one run), and with ``--before`` the same module's
@@ -12,9 +12,12 @@ at the end of the real-vLLM session.
 from __future__ import annotations
 
 import argparse
+import re
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
+
+from benchmarks import record
 
 
 def per_module(junits: list[Path]) -> tuple[Counter[str], Counter[str], Counter[str]]:
@@ -35,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("after", type=Path, nargs="+")
     parser.add_argument("--before", type=Path, nargs="+")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--log", type=Path, help="that run's output: its ci-time lines and vLLM starts are read too")
+    record.add_argument(parser, from_files=True)
     args = parser.parse_args(argv)
     seconds, tests, failed = per_module(args.after)
     before = per_module(args.before)[0] if args.before else None
@@ -46,6 +51,24 @@ def main(argv: list[str] | None = None) -> None:
     rest = sum(seconds.values()) - sum(s for _, s in seconds.most_common(args.top))
     print(f"\n{sum(tests.values())} tests, {sum(failed.values())} failed or errored, {sum(seconds.values()):.0f} s in "
           f"all ({rest:.0f} s outside the top {args.top})")
+    if args.record:
+        record.write("suite_modules", run_figures(args.log, sum(tests.values()), sum(failed.values())),
+                     commit=args.commit)
+
+
+def run_figures(log: Path | None, tests: int, failed: int) -> list[record.Figure]:
+    """The figures of one run of README's test command: tests, failures and, from its output (``log``), the wall
+    time of each part (its ``ci-time:`` lines) and the vLLM processes the real-vLLM session started."""
+    figures = [record.Figure("tests", "tests run (both sessions)", tests, "", 0),
+               record.Figure("failed", "tests failed or errored", failed, "", 0)]
+    text = log.read_text(errors="replace") if log else ""
+    for i, match in enumerate(re.finditer(r"^ci-time: (.+) (\d+) s$", text, re.M)):
+        seconds = int(match[2])
+        figures.append(record.Figure(f"time_{i}", f"wall time: {match[1]}", seconds / 60, "min", 1, f"{seconds} s"))
+    for i, match in enumerate(re.finditer(r"vLLM starts: (\d+) \(([^)]*)\)", text)):
+        figures.append(record.Figure(f"starts_{i}", "vLLM processes started by a pytest session", int(match[1]), "",
+                                     0, match[2]))
+    return figures
 
 
 if __name__ == "__main__":
