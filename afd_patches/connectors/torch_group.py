@@ -294,8 +294,10 @@ def seal_store(store: MacStore, port: int, world_size: int, timeout_s: float, wh
     the group's ranks (see "The store after formation"); returns how many connections it cut.
 
     Waits at most ``timeout_s`` for the ``client_key`` record of every rank. ``ConnectorError`` naming
-    ``where`` when a record is missing or forged, a rank's connection is not among the store's, or the store
-    did not take the connections it had queued within ``DRAIN_S``. Logs one warning when it cut any."""
+    ``where`` when a record is missing or forged, a rank's connection seems to arrive translated
+    (``translated_ranks``), or the store did not take the connections it had queued within ``DRAIN_S``. Logs
+    one warning when it cut any. Limit: a rank that closed its connection early while a stranger's is open
+    reads as translated, and the formation fails (the group then forms again)."""
     if not sys.platform.startswith("linux"):
         logger.warning("AFD: the group's store at %s stays open to anyone who reaches it while the group lives "
                        "(sealing it needs Linux)", where)
@@ -324,17 +326,27 @@ def seal_store(store: MacStore, port: int, world_size: int, timeout_s: float, wh
     # connection to the store
     connections = [s for s in tcp_sockets() if s.local[1] == port and s.state == TCP_ESTABLISHED]
     remotes = {s.remote for s in connections}
-    unseen = [r for r, addresses in named.items() if not addresses & remotes]
+    allowed = set().union(*named.values())
+    unseen = translated_ranks(named, remotes)
     if unseen:
         raise ConnectorError(f"AFD: cannot seal the group's store at {where}: the connection of global rank(s) "
                              f"{unseen} to it is not among its own (address translation between the ranks? gloo "
                              "and NCCL need direct addresses)")
-    allowed = set().union(*named.values())
     cut = sum(_cut(s) for s in connections if s.remote not in allowed)
     if cut:
         logger.warning("AFD: cut %d connection(s) to the group's store at %s that no rank of the group opened",
                        cut, where)
     return cut
+
+
+def translated_ranks(named: dict[int, set[tuple[str, int]]], remotes: set[tuple[str, int]]) -> list[int]:
+    """The ranks whose store connection seems to arrive from another address than the one they named: no
+    connection from any address a rank named, while some connection comes from an address no rank named.
+    A rank that is not seen while every connection is named has closed its own already (it finished its work
+    before FFN rank 0 sealed): not an error."""
+    if not remotes - set().union(*named.values()):
+        return []
+    return [r for r, addresses in named.items() if not addresses & remotes]
 
 
 def _address(line: str) -> tuple[str, int]:

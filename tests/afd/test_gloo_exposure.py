@@ -158,3 +158,16 @@ def test_the_store_takes_nothing_from_a_stranger_once_the_group_formed() -> None
     assert written == 0 and refused_s < 5, (written, refused_s)
     assert grown < 16, f"FFN rank 0 grew by {grown:.0f} MiB"
     assert any("cut 1 connection(s) to the group's store" in line for line in got["ffn0"]["log"]), got["ffn0"]
+
+
+def test_a_rank_that_closed_early_is_not_read_as_translated() -> None:
+    """Sealing's judgement of the store's connections (``translated_ranks``), on the cases the 2A2F block-mapping
+    test met at random: a rank that finished its work and closed before FFN rank 0 sealed is no error; a rank
+    not seen while a connection no rank named is open reads as translated."""
+    a, b, c, stranger = ("127.0.0.1", 40001), ("127.0.0.1", 40002), ("127.0.0.1", 40003), ("127.0.0.9", 5)
+    named = {0: {a}, 1: {b}, 2: {c}}
+    assert torch_group.translated_ranks(named, {a, b, c}) == []
+    assert torch_group.translated_ranks(named, {a}) == []  # ranks 1 and 2 closed their connections already
+    assert torch_group.translated_ranks(named, set()) == []
+    assert torch_group.translated_ranks(named, {a, stranger}) == [1, 2]
+    assert torch_group.translated_ranks(named, {a, b, c, stranger}) == []  # a stranger, cut, nobody unseen
