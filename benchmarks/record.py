@@ -29,6 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
+_UNSET = {("detail", ""), ("readme", None)}  # optional fields left out of the file when not given
 
 
 @dataclass
@@ -105,7 +106,7 @@ def write(benchmark: str, figures: list[Figure], argv: list[str] | None = None, 
         "date": datetime.date.today().isoformat(),
         "commit": commit,
         "host": host(),
-        "figures": [{k: v for k, v in asdict(f).items() if v not in ("", None)} for f in figures],
+        "figures": [{k: v for k, v in asdict(f).items() if (k, v) not in _UNSET} for f in figures],
     }
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{benchmark}.json"

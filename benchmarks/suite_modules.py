@@ -65,7 +65,7 @@ def run_figures(log: Path | None, tests: int, failed: int) -> list[record.Figure
     for i, match in enumerate(re.finditer(r"^ci-time: (.+) (\d+) s$", text, re.M)):
         seconds = int(match[2])
         figures.append(record.Figure(f"time_{i}", f"wall time: {match[1]}", seconds / 60, "min", 1, f"{seconds} s"))
-    for i, match in enumerate(re.finditer(r"vLLM starts: (\d+) \(([^)]*)\)", text)):
+    for i, match in enumerate(m for m in re.finditer(r"vLLM starts: (\d+) \(([^)]*)\)", text) if m[1] != "0"):
         figures.append(record.Figure(f"starts_{i}", "vLLM processes started by a pytest session", int(match[1]), "",
                                      0, match[2]))
     return figures
