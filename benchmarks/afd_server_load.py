@@ -24,10 +24,12 @@ float32 Llama with a tiny tokenizer, all on 127.0.0.1. Then:
 ``--bind`` sets ``VLLM_CPU_OMP_THREADS_BIND`` for every server (vLLM's default,
 ``auto``, when not given), ``--ffn-bind`` for the FFN server alone; ``--pin`` runs the plain server and the attention
 servers on core 0 and the FFN server on core 1 (taskset), else nothing is pinned.
-Prints one table; nothing is written.
+``--plain-best MASK`` (default ``nobind``) adds a second plain server with that binding, plain tuned on the
+same cores; AFD is compared with both. Prints one table; with ``--record`` (``benchmarks.record``) also writes
+AFD's ratio to the faster plain server, the lower of the two.
 
     python -m benchmarks.afd_server_load [--attention-ranks 1] [--schedules batched,pingpong] [--rounds 3]
-        [--timings] [--baseline DIR] [--bind MASK] [--ffn-bind MASK] [--pin]
+        [--timings] [--baseline DIR] [--bind MASK] [--ffn-bind MASK] [--pin] [--plain-best MASK] [--record]
 """
 
 from __future__ import annotations

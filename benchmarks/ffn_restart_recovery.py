@@ -9,9 +9,9 @@ new FFN server on the same AFD port and sends the same completion every
 FFN server's start (started → ``/health`` 200), the recovery after it
 (FFN ``/health`` 200 → first successful request, which includes the attention
 worker's re-formation), and the whole outage (FFN started → first success).
-The attention server keeps its pid throughout. Nothing is written.
+The attention server keeps its pid throughout. With ``--record`` the medians go to benchmarks/results/.
 
-    python -m benchmarks.ffn_restart_recovery [--rounds 3] [--timeout-s 5]
+    python -m benchmarks.ffn_restart_recovery [--rounds 3] [--timeout-s 5] [--record]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ manifest in every process, which modules the hook adds that vLLM had not importe
 and what the cache directory holds afterwards (JSON data only: nothing executable).
 Goal: <= 10 ms after ``import vllm`` (issue 29; it was 3 ms, with <= 6 ms in the front end, before).
 
-    python -m benchmarks.hook_cost [--runs 15]
+    python -m benchmarks.hook_cost [--runs 15] [--record]
 """
 
 from __future__ import annotations
