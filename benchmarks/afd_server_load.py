@@ -360,11 +360,15 @@ def main() -> None:
               + ", ".join(f"{k.split(' ', 1)[1]} {1e3 * c / tokens:.2f}" for k, c in sorted(parts.items())))
 
 
+def per_round_ratios(tps: dict[str, list[float]], side: str, plain: str) -> list[float]:
+    """``side``'s tok/s over ``plain``'s, round by round."""
+    return [a / p for a, p in zip(tps[side], tps[plain], strict=True)]
+
+
 def record_ratio(args: argparse.Namespace, tps: dict[str, list[float]], label: str) -> None:
     """Record AFD's tok/s over plain's: the median of the per-round ratios against each plain server, the
     lower one published (plain as users run it, and plain tuned, whichever is faster)."""
-    ratios = {plain: median(a / p for a, p in zip(tps[label], tps[plain], strict=True))
-              for plain in tps if plain.startswith("plain")}
+    ratios = {plain: median(per_round_ratios(tps, label, plain)) for plain in tps if plain.startswith("plain")}
     lower = min(ratios, key=ratios.__getitem__)
     against = ", ".join(f"{p} ({'bind ' + (args.plain_best if p == 'plain-best' else args.bind or 'auto')}) "
                         f"{r:.2f}" for p, r in ratios.items())
@@ -390,7 +394,7 @@ def report(args: argparse.Namespace, tps: dict[str, list[float]], loadavg: list[
         line = f"{label:16s} tok/s per round: {', '.join(f'{x:6.0f}' for x in rates)}  median {median(rates):6.0f}"
         if not label.startswith("plain"):
             for plain in (p for p in tps if p.startswith("plain")):
-                ratios = [a / p for a, p in zip(rates, tps[plain], strict=True)]
+                ratios = per_round_ratios(tps, label, plain)
                 line += f"; / {plain}: {', '.join(f'{x:.2f}' for x in ratios)}, median {median(ratios):.2f}"
         print(line)
     print("completions equal plain's in every round")

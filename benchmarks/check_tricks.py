@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from benchmarks import record
+from benchmarks.record import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 DRIVER = """
 import gc, sys, types
 fork, collect_off, hard_exit = {flags!r}

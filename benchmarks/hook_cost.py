@@ -117,7 +117,7 @@ def main() -> None:
         print(f"{label:20} {med:12.2f} {mx:8.2f} {cold:8.1f} {med_naive:9.1f}  {', '.join(added) or 'none'}")
     print(f"cache directory holds: {', '.join(cached)} (all JSON; goal: <= 10 ms after import vllm)")
     if args.record:
-        label, med, mx, cold, _, _ = rows[0]
+        _, med, mx, cold, _, _ = rows[0]
         front = rows[1]
         record.write("hook_cost", [
             record.Figure("hook_ms", "what the plugin costs a vLLM process when AFD is off (`register_afd()` after "

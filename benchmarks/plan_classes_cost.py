@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import record
+from benchmarks.record import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 RECORD_DECORATOR = "@dataclass(slots=True, kw_only=True, eq=False, repr=False)"
 FROZEN_DECORATOR = "@dataclass(slots=True, kw_only=True, frozen=True)"
 CHILD = """
