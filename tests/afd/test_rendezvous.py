@@ -55,24 +55,26 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def logged_ffn_worker(cfg: AfdConfig, queue: Any, token: str | None, identity: dict[str, Any] | None = None) -> None:
-    """Serve until the attention side closes; report calls, the error and every AFD log line."""
+def logged_ffn_worker(cfg: AfdConfig, queue: Any, token: str | None, identity: dict[str, Any] | None = None,
+                      form_s: float | None = None) -> None:
+    """Serve until the attention side closes; report calls, the error and every AFD log line. ``form_s``: the
+    bound on forming the group (``timeout_s`` when None)."""
     torch.set_num_threads(1)
     if token is not None:
         os.environ[auth.TOKEN_ENV] = token
     records = _Records()
     logging.getLogger(LOGGER).addHandler(records)
-    calls, error, message = _serve_one_group(TorchDistConnector(cfg, identity=identity))
+    calls, error, message = _serve_one_group(TorchDistConnector(cfg, identity=identity), form_s)
     queue.put(("ffn0", {"calls": calls, "error": error, "message": message, "log": records.lines}))
 
 
-def _serve_one_group(conn: TorchDistConnector) -> tuple[int, str, str]:
+def _serve_one_group(conn: TorchDistConnector, form_s: float | None = None) -> tuple[int, str, str]:
     """Form the group, answer x*2+1 until a connector error (``ConnectorClosed`` at a clean end), close;
     (calls, error class, message). The exception itself is not returned: its traceback would keep the
     group's store, and so the port, alive."""
     calls = 0
     try:
-        conn.init()
+        conn.init(form_s)
         while True:
             meta, xs = conn.recv_attn_output()
             conn.send_ffn_output([x * 2 + 1 for x in xs], meta)
