@@ -11,5 +11,8 @@ if ! .venv/bin/python -c "import vllm, afd_patches, pytest, hypothesis, nox, uv,
   # pip brings CUDA builds of these next to the CPU torch; they break `import vllm`.
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# Bytecode for this checkout's own packages: every vLLM process imports them, and where PYTHONDONTWRITEBYTECODE is
+# set (CI) Python would compile them again in each one.
+.venv/bin/python -m compileall -q afd_patches patchkit harness >/dev/null
 .venv/bin/python -c "import vllm, afd_patches" >/dev/null 2>&1 || { echo "install failed: vllm or afd_patches not importable" >&2; exit 1; }
 echo "ready: $(.venv/bin/python -c 'import vllm; print("vLLM", vllm.__version__)' 2>/dev/null | tail -1), afd-plugin in .venv"
