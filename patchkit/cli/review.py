@@ -2,7 +2,7 @@
 
 ``add_commands(subparsers)`` registers:
 
-- ``check MANIFEST --vllm SRC [--base SRC] [--format text|markdown|json]`` —
+- ``check MANIFEST --vllm SRC [--base SRC] [--format text|markdown|json] [--no-cache]`` —
   see ``patchkit.review.check``. SRC is ``installed``, a folder or a ``.whl``. Exit 0
   nothing would fail, 1 a required entry would fail, 2 bad input.
 - ``retarget MANIFEST --vllm SRC --out NEW [--version SPEC] [--commit SHA]
@@ -44,7 +44,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Run ``patchkit check`` and print its output (stderr for exit 2)."""
     from patchkit.review.check import run_check
 
-    code, output = run_check(args.manifest, args.vllm, args.base, args.format, keep=KEEP)
+    code, output = run_check(args.manifest, args.vllm, args.base, args.format, keep=KEEP,
+                             use_cache=not args.no_cache)
     return _emit(code, output)
 
 
@@ -100,6 +101,9 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--vllm", required=True, metavar="SRC", help="'installed', a vLLM source folder or a .whl file")
     p.add_argument("--base", metavar="SRC", help="the tree the manifest was written against: diff drifted targets")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    p.add_argument("--no-cache", action="store_true",
+                   help="judge every entry again (by default the rows of entries unchanged since the last check "
+                        "of this manifest on the same trees are reused)")
     p.set_defaults(func=cmd_check)
 
     p = subparsers.add_parser(

@@ -25,7 +25,12 @@ For exit 2 the output is the error text (for an invalid manifest, the
 ``file:line: field: message`` lines); no input produces a traceback.
 
 Output formats: ``text`` for terminals, ``markdown`` for a pull request,
-``json`` (one object; ``entries[*].verdict`` etc.) for tools.
+``json`` (one object; each of ``entries`` is a ``check_rows.Row``,
+``schemas/check-entry.schema.json``) for tools.
+
+Run again on the same trees, the rows of entries unchanged since the last check of the
+file come from ``patchkit.review.check_cache`` (``use_cache=False``: none); the output is
+the same but for the summary's ``seconds``, ``parsed`` and ``cached``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Any
 
 from patchkit.plan import Entry, Manifest, ManifestError
 from patchkit.review import forked
+from patchkit.review.check_cache import RowCache
 from patchkit.review.signatures import Checker, Fit
 from patchkit.review.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
 
@@ -174,14 +180,13 @@ def _check_json(manifest: Manifest, tree: SourceTree, base: SourceTree | None,
     return rows, tree.parsed, tree.problems + (base.problems if base else [])
 
 
-def _check_all(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vllm_src: str,
-               base_src: str | None) -> tuple[list[dict[str, Any]], int, list[str]]:
-    """Every entry's JSON, the number of distinct modules parsed, and the problems met.
+def _compute(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vllm_src: str, base_src: str | None,
+             entries: list[Entry]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """The JSON rows of ``entries``, the modules of ``tree`` parsed, and the problems met.
 
     With a second core, half of the entries (by target module) are checked in a forked child
     (``patchkit.review.forked``) that opens the trees itself; the halves' output is merged in
-    manifest order, so the result is the same as in one process."""
-    entries = [*manifest.entries, *manifest.requires]
+    order, so the result is the same as in one process."""
     mine, theirs = _halves(entries, tree) if forked.available() else (list(range(len(entries))), [])
     child = None
     if theirs:
@@ -204,7 +209,34 @@ def _check_all(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vl
         by_index.update(zip(theirs, got[0], strict=True))
         parsed = parsed + got[1]
         problems = problems + [p for p in got[2] if p not in problems]
-    return [by_index[i] for i in range(len(entries))], len(set(parsed)), problems
+    return [by_index[i] for i in range(len(entries))], parsed, problems
+
+
+def _check_all(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vllm_src: str,
+               base_src: str | None, use_cache: bool) -> tuple[list[dict[str, Any]], int, int, list[str]]:
+    """Every entry's JSON row, the number of distinct modules parsed, how many rows came from the cache
+    (``patchkit.review.check_cache``), and the problems met."""
+    entries = [*manifest.entries, *manifest.requires]
+    store = RowCache(manifest.file, manifest.packages, tree, base) if use_cache else None
+    keys: list[str | None] = [None] * len(entries)
+    rows: dict[int, dict[str, Any]] = {}
+    if store is not None and store.usable:
+        store.load()
+        for i, entry in enumerate(entries):
+            keys[i] = store.key(entry)
+            found = store.row(entry, keys[i])
+            if found is not None:
+                rows[i] = found
+    todo = [i for i in range(len(entries)) if i not in rows]
+    parsed: list[str] = []
+    problems = list(store.problems) if store is not None and rows else []
+    if todo:
+        computed, parsed, met = _compute(manifest, tree, base, vllm_src, base_src, [entries[i] for i in todo])
+        rows.update(zip(todo, computed, strict=True))
+        problems += [p for p in met if p not in problems]
+    if store is not None and todo:
+        store.save({key: rows[i] for i, key in enumerate(keys) if key is not None}, problems)
+    return [rows[i] for i in range(len(entries))], len(set(parsed)), len(entries) - len(todo), problems
 
 
 def _header(manifest: Manifest, tree: SourceTree, base: SourceTree | None) -> dict[str, Any]:
@@ -218,11 +250,13 @@ def _header(manifest: Manifest, tree: SourceTree, base: SourceTree | None) -> di
 
 
 def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = None,
-              fmt: str = "text", keep: list[object] | None = None) -> tuple[int, str]:
+              fmt: str = "text", keep: list[object] | None = None, use_cache: bool = True) -> tuple[int, str]:
     """Check a manifest against a tree; ``(exit_code, output)`` as described in the module docstring.
 
     ``keep``, when given, receives the parsed trees instead of their being freed on return (the
-    command line passes a list that lives until it exits without freeing them)."""
+    command line passes a list that lives until it exits without freeing them). ``use_cache``: reuse
+    and store the rows of entries unchanged since the last check on the same trees
+    (``patchkit.review.check_cache``)."""
     from patchkit import manifest as manifest_mod
 
     if fmt not in FORMATS:
@@ -237,7 +271,7 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
     try:
         tree = open_tree(vllm_src)
         base = open_tree(base_src) if base_src is not None else None
-        rows, parsed, problems = _check_all(loaded, tree, base, vllm_src, base_src)
+        rows, parsed, cached, problems = _check_all(loaded, tree, base, vllm_src, base_src, use_cache)
         if keep is not None:
             keep.append((tree, base))
     except TreeError as exc:
@@ -262,12 +296,17 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
                       "verdicts": counts, "failing": [row["id"] for row in rows if row["fails"]],
                       "misfits": [row["id"] for row in rows if any(f["fits"] is False for f in row["signatures"])],
                       "uncovered_sites": sum(row["uncovered_sites"] for row in rows),
-                      "modules": len(tree.modules), "parsed": parsed,
+                      "modules": len(tree.modules), "parsed": parsed, "cached": cached,
                       "seconds": round(time.perf_counter() - started, 3)}
     doc["exit_code"] = code
     if fmt == "json":
         return code, json.dumps(doc, indent=2)
     return code, (_markdown(doc) if fmt == "markdown" else _text(doc))
+
+
+def _cached_text(summary: dict[str, Any]) -> str:
+    n = summary["cached"]
+    return f" ({n} of {summary['entries']} entries unchanged since the last check: from the cache)" if n else ""
 
 
 def _pin_line(doc: dict[str, Any]) -> str:
@@ -332,7 +371,7 @@ def _text(doc: dict[str, Any]) -> str:
                f"{s['uncovered_sites']} uncovered alias sites; callables that do not fit: "
                f"{', '.join(s['misfits']) or 'none'}; failing: {', '.join(s['failing']) or 'none'} "
                f"(exit {doc['exit_code']})")
-    out.append(f"parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s")
+    out.append(f"parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s{_cached_text(s)}")
     return "\n".join(out) + "\n"
 
 
@@ -402,7 +441,7 @@ def _markdown(doc: dict[str, Any]) -> str:
             f"{verdicts}; {s['uncovered_sites']} uncovered alias sites; callables that do not fit: "
             f"{', '.join(f'`{f}`' for f in s['misfits']) or 'none'}; failing: "
             f"{', '.join(f'`{f}`' for f in s['failing']) or 'none'} (exit {doc['exit_code']}). "
-            f"Parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s."]
+            f"Parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s{_cached_text(s)}."]
     out += [f"Feature `{name}` refused on this tree (the plugin runs without it): "
             f"{', '.join(f'`{i}`' for i in ids)}." for name, ids in s["features_refused"].items()]
     return "\n".join(out) + "\n"

@@ -20,14 +20,22 @@ extension modules, no ``.pyi``); a file that does not parse is recorded in
 ``problems`` and treated as an empty module. Not thread-safe (caches are plain
 dicts). Errors the user can cause (missing path, not a vLLM tree, corrupt wheel)
 raise ``TreeError`` with a one-line message.
+
+``identity()`` names the tree's content for caches without reading its files: a wheel by each ``.py``
+member's CRC-32 and size (from the archive's directory), a folder by each ``.py`` file's size and
+modification time, as git's index knows files. A folder with a file modified in the last
+``RACY_S`` seconds has no identity (None), so a file rewritten within the clock's resolution,
+with the same size, is never taken for the one before it.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
 import os
 import re
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +45,7 @@ from patchkit.plan import PatchkitError
 PACKAGE = "vllm"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _VERSION_LINE = re.compile(r"^Version:\s*(\S+)\s*$", re.M)
+RACY_S = 2.0  # a folder file modified this recently gives its tree no identity
 
 
 class TreeError(PatchkitError):
@@ -62,6 +71,7 @@ class SourceTree:
         self._all_read = False
         self.problems: list[str] = []
         self._version: str | bool | None = False  # False: not read yet
+        self._identity: str | bool | None = False  # False: not computed yet
 
     # -- what subclasses provide -------------------------------------------------
     def _read(self, relpath: str) -> bytes:  # pragma: no cover - abstract
@@ -72,6 +82,23 @@ class SourceTree:
 
     def _size(self, relpath: str) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _stamps(self) -> Iterator[str] | None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def identity(self) -> str | None:
+        """A SHA-256 that changes when any module's content does (see the module docstring); None when
+        it cannot be told safely. Computed once."""
+        if self._identity is False:
+            stamps = self._stamps()
+            digest = None
+            if stamps is not None:
+                h = hashlib.sha256(f"{self.kind}\0{self.describe()}\0{self.version}\n".encode())
+                for stamp in stamps:
+                    h.update(stamp.encode())
+                digest = h.hexdigest()
+            self._identity = digest
+        return self._identity or None
 
     # -- modules -----------------------------------------------------------------
     @property
@@ -209,6 +236,18 @@ class DirTree(SourceTree):
     def _size(self, relpath: str) -> int:
         return os.stat(os.path.join(self._root_str, relpath)).st_size
 
+    def _stamps(self) -> Iterator[str] | None:
+        stamps, racy = [], time.time_ns() - int(RACY_S * 1e9)
+        try:
+            for relpath in self._files.values():
+                st = os.stat(os.path.join(self._root_str, relpath))
+                if st.st_mtime_ns >= racy:
+                    return None
+                stamps.append(f"{relpath}\0{st.st_size}\0{st.st_mtime_ns}\n")
+        except OSError:
+            return None
+        return iter(stamps)
+
     def _metadata_version(self) -> str | None:
         # an installed package: <site-packages>/vllm[_cpu]-X.dist-info/METADATA next to the package
         try:
@@ -262,6 +301,10 @@ class WheelTree(SourceTree):
 
     def _size(self, relpath: str) -> int:
         return self._zip.getinfo(relpath).file_size
+
+    def _stamps(self) -> Iterator[str] | None:
+        return (f"{relpath}\0{info.CRC}\0{info.file_size}\n"
+                for relpath in self._files.values() for info in (self._zip.getinfo(relpath),))
 
     def _metadata_version(self) -> str | None:
         for name in self._names:
