@@ -78,9 +78,7 @@ def _uv_env() -> dict[str, str]:
 
 
 def _install(session: nox.Session, *args: str) -> None:
-    """Install ``args`` with bytecode compiled, as pip does by default and uv does not: every process of a
-    smoke imports vLLM afresh, and where ``PYTHONDONTWRITEBYTECODE`` is set (CI) no cache would ever be kept."""
-    env = {**_uv_env(), "UV_COMPILE_BYTECODE": "1"} if session.venv_backend == "uv" else {}
+    env = _uv_env() if session.venv_backend == "uv" else {}
     session.install(*args, env=env)
 
 

@@ -20,6 +20,7 @@ from afd_patches.connectors.torch_dist import TorchDistConnector
 from harness.env import free_port
 from tests.afd.test_connector import (
     _CTX,
+    FORM_S,
     SLACK_S,
     _error_fields,
     _join_all,
@@ -35,7 +36,6 @@ TIMEOUT_S = 2.0
 STALL_S = 3 * TIMEOUT_S  # rank 0's stall: well past the bound
 LAYERS = 2
 RUN_S = 60.0  # no worker steps longer than this, whatever happens
-FORM_S = 30.0  # forming the group: processes start slowly on a loaded host, and formation is not tested here
 
 
 def _step(conn: TorchDistConnector, rank: int, step: int, tokens: int) -> tuple[int, float]:

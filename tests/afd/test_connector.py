@@ -37,6 +37,7 @@ from harness.env import free_port
 
 HIDDEN = 16
 SLACK_S = 3.0  # scheduling slack on a busy 2-core machine
+FORM_S = 30.0  # forming a group where formation is not the subject: processes start slowly on a loaded host
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "vllm.distributed.utils", "afd_patches.connectors.torch_dist", __name__])
@@ -125,9 +126,11 @@ def attention_worker(cfg: AfdConfig, plan: list[int], layers: int, queue: Any, f
     )
 
 
-def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0, send_delay_s: float = 0.0) -> None:
+def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0, send_delay_s: float = 0.0,
+               form_s: float | None = None) -> None:
     """Serve until the attention side closes: one batched FFN call per received step, every send
-    ``send_delay_s`` slower; the report includes this process's exchange count and latency sum."""
+    ``send_delay_s`` slower; the report includes this process's exchange count and latency sum. ``form_s``:
+    the bound on forming the group (``timeout_s`` when None)."""
     from afd_patches import metrics
 
     torch.set_num_threads(1)
@@ -145,7 +148,7 @@ def ffn_worker(cfg: AfdConfig, queue: Any, delay_s: float = 0.0, send_delay_s: f
     calls = 0
     metas: list[Meta] = []
     try:
-        conn.init()
+        conn.init(form_s)
         while True:
             meta, xs = conn.recv_attn_output()
             rows = [x.shape[0] for x in xs]

@@ -30,6 +30,7 @@ from harness.crowd import CROWD, flood
 from harness.env import free_port
 from tests.afd.test_connector import (
     _CTX,
+    FORM_S,
     SLACK_S,
     _join_all,
     attn_input,
@@ -218,7 +219,7 @@ def idling_attention(cfg: AfdConfig, idle_s: float, layers: int, queue: Any) -> 
     conn = TorchDistConnector(cfg)
     report: dict[str, Any] = {"error": None, "exact": []}
     try:
-        conn.init()
+        conn.init(FORM_S)
         for step in range(2):
             if step:
                 time.sleep(idle_s)
@@ -238,8 +239,8 @@ def test_an_idle_attention_rank_finds_the_keepalives_and_goes_on(schedule: str, 
     is exact: the FFN's keep-alives waiting in its socket count, the group stays the same."""
     port, timeout_s, idle_s = free_port(), 2.0, 6.0
     queue = _CTX.Queue()
-    procs = [start(ffn_worker, make_config("ffn", 0, port, a=a, timeout_s=timeout_s, schedule=schedule), queue)]
-    afd_probe.wait_listening("127.0.0.1", port, 30)  # a slow start of the FFN process is not what this tests
+    procs = [start(ffn_worker, make_config("ffn", 0, port, a=a, timeout_s=timeout_s, schedule=schedule), queue,
+                   0.0, 0.0, FORM_S)]  # a slow start of a process is not what this tests
     procs += [start(idling_attention, make_config("attention", r, port, a=a, timeout_s=timeout_s,
                                                   schedule=schedule), idle_s, 2, queue) for r in range(a)]
     got = collect(queue, {"ffn0", *(f"attention{r}" for r in range(a))}, idle_s + 30)
