@@ -218,9 +218,11 @@ def _check_all(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vl
     (``patchkit.review.check_cache``), and the problems met."""
     entries = [*manifest.entries, *manifest.requires]
     store = RowCache(manifest.file, manifest.packages, tree, base) if use_cache else None
+    if store is not None and not store.usable:
+        store = None
     keys: list[str | None] = [None] * len(entries)
     rows: dict[int, dict[str, Any]] = {}
-    if store is not None and store.usable:
+    if store is not None:
         store.load()
         for i, entry in enumerate(entries):
             keys[i] = store.key(entry)

@@ -27,7 +27,6 @@ purpose) reads as unchanged, as it does for git. ``--no-cache`` (``use_cache=Fal
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 from collections.abc import Sequence
@@ -38,13 +37,12 @@ import msgspec
 
 from patchkit.plan import Entry
 from patchkit.review.check_rows import Row
+from patchkit.review.signatures import plugin_tree
 from patchkit.review.static import SourceTree
-from patchkit.review.static.tree import DirTree
 from patchkit.runtime import cache
 
 FORMAT = "patchkit-check-1"
 _PATCHKIT = Path(__file__).resolve().parents[1]
-_MAX_BYTES = cache.MAX_BYTES
 
 
 def _code_digest() -> str:
@@ -61,15 +59,9 @@ def _digest(*parts: object) -> str:
 
 
 def _package_identity(package: str) -> str | None:
-    """The identity of a plugin package's folder, found as ``patchkit.review.signatures`` finds it."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        return None
-    folder = next(iter(spec.submodule_search_locations or []), None) if spec else None
-    if folder is None or not os.path.isfile(os.path.join(folder, "__init__.py")):
-        return "absent"  # the checker reports such callables as not compared: nothing to go stale
-    return DirTree(Path(folder), folder).identity()
+    """The identity of a plugin package's folder, the one ``patchkit.review.signatures`` reads."""
+    tree = plugin_tree(package)
+    return "absent" if tree is None else tree.identity()  # absent: its callables are not compared
 
 
 class RowCache:
@@ -78,6 +70,7 @@ class RowCache:
     def __init__(self, manifest_file: str, packages: Sequence[str], tree: SourceTree, base: SourceTree | None) -> None:
         self.packages = tuple(packages)
         trees = [tree.identity(), None if base is None else base.identity()]
+        # False when a tree has no identity: then nothing is read or stored
         self.usable = trees[0] is not None and (base is None or trees[1] is not None)
         self.name = f"check-{_digest(_code_digest(), os.path.abspath(manifest_file), trees)[:40]}.json"
         self._plugins: str | bool | None = False  # False: not computed yet
@@ -102,9 +95,7 @@ class RowCache:
 
     def load(self) -> None:
         """Read the stored rows: all of them valid (``check_rows.Row``, decoded and checked by ``msgspec``),
-        or none (a miss, for any reason)."""
-        if not self.usable:
-            return
+        or none (a miss, for any reason). Only for a ``usable`` cache."""
         raw = cache.read_private(self.name)
         if raw is None:
             return
@@ -126,11 +117,10 @@ class RowCache:
         return row
 
     def save(self, rows: dict[str, dict[str, Any]], problems: list[str]) -> None:
-        """Store ``rows`` (key → row) and the trees' problems in place of what was stored."""
-        if not self.usable:
-            return
+        """Store ``rows`` (key → row) and the trees' problems in place of what was stored. Only for a
+        ``usable`` cache."""
         data = json.dumps({"format": FORMAT, "rows": rows, "problems": problems}).encode()
-        if len(data) <= _MAX_BYTES:
+        if len(data) <= cache.MAX_BYTES:
             cache.write_private(self.name, data)
 
 

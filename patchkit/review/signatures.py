@@ -194,6 +194,14 @@ def call_signature(resolver: Resolver, definition: Definition, target: bool) -> 
     return f"{definition.ref} is an assignment (built at run time): not compared"
 
 
+def plugin_tree(package: str) -> DirTree | None:
+    """The folder of the plugin's top-level ``package`` as a tree, located with ``importlib.util.find_spec``
+    (which does not import a top-level package); None when it has none."""
+    spec = importlib.util.find_spec(package)
+    folder = Path(next(iter(spec.submodule_search_locations or []), "")) if spec else None
+    return DirTree(folder, str(folder)) if folder is not None and (folder / "__init__.py").is_file() else None
+
+
 class Checker:
     """Compares entries' callables with their targets in one tree; the plugin's packages are located
     (``importlib.util.find_spec``, which does not import a top-level package) and parsed on first use."""
@@ -206,10 +214,8 @@ class Checker:
     def _plugin_resolver(self, package: str) -> Resolver | None:
         """The plugin package's tree (the manifest allows references into its ``packages`` only), or None."""
         if package not in self._plugin:
-            spec = importlib.util.find_spec(package)
-            folder = Path(next(iter(spec.submodule_search_locations or []), "")) if spec else None
-            found = folder is not None and (folder / "__init__.py").is_file()
-            self._plugin[package] = Resolver(DirTree(folder, str(folder))) if found else None
+            tree = plugin_tree(package)
+            self._plugin[package] = Resolver(tree) if tree is not None else None
         return self._plugin[package]
 
     def _callable(self, ref: str) -> inspect.Signature | str:
