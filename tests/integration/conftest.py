@@ -3,19 +3,33 @@
 These tests need vLLM (the CPU build) importable. They do not skip when it is
 missing: they fail, loudly, because a green run without vLLM would prove nothing.
 
+``model_infos`` (autouse): vLLM's model-inspection cache filled for the tiny families once per session, before the
+first engine starts (``harness.model_infos``: one process instead of one per architecture and engine).
+
 ``front_end``: the front-end refusals of every selected module (its ``front_end_cases(model)``) checked in one
 process (``harness.config_probe``), not one vLLM front end per case.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from harness import model_infos as infos
+from harness import starts
 from harness.config_probe import Probe, probe
 from harness.engine import Generation, generate
 from harness.env import REPO
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_infos() -> None:
+    """vLLM's model-inspection cache filled once per session (every pytest-xdist worker asks; the first fills it)."""
+    printed = infos.warm_once(Path(os.environ[starts.ENV]))
+    if printed:
+        print(printed.strip())
 
 
 @pytest.fixture(scope="session")

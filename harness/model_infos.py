@@ -1,0 +1,75 @@
+"""vLLM's model-inspection cache, filled once per test session for the architectures of ``harness.tiny_model``.
+
+What vLLM does: before an engine starts, vLLM asks what the model class supports (``_ModelInfo``). For a class
+registered by module path (every built-in model, and the plugin's AFD models) it answers from
+``$VLLM_CACHE_ROOT/modelinfos/<module>-<class>.json`` when that file names the current hash of the module's source,
+and otherwise imports the class in a fresh ``python -m vllm.model_executor.models.registry`` process (a whole vLLM
+import, about 10 s of CPU on this project's 2-core host) and writes the answer there. Engines started side by side
+on a cold cache each run that process for the same class (an AFD pair and its plain reference: three).
+
+What this does: ``python -m harness.model_infos`` loads vLLM's general plugins (so the AFD architectures are
+registered, as in an engine) and asks vLLM's registry to inspect every plain and AFD architecture of the tiny
+families, answering in this one process instead of one subprocess per class (the subprocess exists so that a
+CUDA caller does not initialise CUDA; this process is a throwaway). vLLM's own code computes the answer, the
+module hash and the file, so an engine later reads exactly what it would have written itself. A release whose
+registry lacks these functions is left to inspect as it does (the module says so and exits 0). ``warm_once``
+runs it once per test session, whichever pytest-xdist worker asks first.
+
+Limits: only the tiny families' architectures (``ARCHITECTURES``); a test that points ``VLLM_CACHE_ROOT``
+elsewhere inspects there as vLLM does. Nothing here changes what an engine computes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+from pathlib import Path
+
+from harness.env import REPO, vllm_env
+from harness.tiny_model import FAMILIES
+
+ARCHITECTURES = tuple(name for cls, _ in FAMILIES.values() for name in (f"{cls}ForCausalLM", f"AFD{cls}ForCausalLM"))
+TIMEOUT_S = 600.0
+_DONE = "model-infos.done"
+
+
+def warm_once(session_dir: Path) -> str:
+    """Fill the cache for this session unless a worker of the same session already did (``session_dir``: the
+    session's own private folder, shared by its workers); what the filling process printed, or ``""``."""
+    with open(session_dir / "model-infos.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = session_dir / _DONE
+        if done.exists():
+            return ""
+        run = subprocess.run([sys.executable, "-m", "harness.model_infos"], capture_output=True, text=True,
+                             env=vllm_env(), cwd=REPO, timeout=TIMEOUT_S)
+        if run.returncode != 0:
+            raise RuntimeError(f"harness.model_infos exited {run.returncode}:\n{run.stdout[-2000:]}"
+                               f"{run.stderr[-4000:]}")
+        done.write_text(run.stdout)
+        return run.stdout
+
+
+def main() -> None:
+    from vllm import ModelRegistry
+    from vllm.model_executor.models import registry
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    if not callable(getattr(registry, "_run_in_subprocess", None)):
+        print("model infos: this vLLM's registry has no _run_in_subprocess; engines inspect as vLLM does")
+        return
+    registry._run_in_subprocess = lambda fn: fn()  # this process is the throwaway one
+    known = set(ModelRegistry.get_supported_archs())
+    inspected = []
+    for arch in ARCHITECTURES:
+        if arch in known:
+            ModelRegistry.models[arch].inspect_model_cls()
+            inspected.append(arch)
+    print(f"model infos: {len(inspected)} architectures inspected in one process "
+          f"({len(ARCHITECTURES) - len(inspected)} not registered on this vLLM)")
+
+
+if __name__ == "__main__":
+    main()
