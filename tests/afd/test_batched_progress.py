@@ -161,10 +161,12 @@ def test_batched_gloo_drops_a_stalled_rank_and_serves_the_others() -> None:
 @pytest.mark.parametrize("backend", ["tcp", "gloo"])
 def test_pingpong_a_stalled_rank_blocks_nobody(backend: str) -> None:
     """``pingpong`` serves each rank as it arrives: rank 1 never waits on the stalled rank 0, which is served
-    on, exactly, when it resumes (no drop there)."""
+    on, exactly, when it resumes (no drop there). Rank 1 steps every few milliseconds, so a step held by rank 0
+    would wait out the rest of its ``STALL_S`` stall (6 s); the bound, half of that, leaves room for a loaded
+    host's scheduling (1.48 s seen beside the real-vLLM tests) and none for such a wait."""
     got = _run(backend, "pingpong", after=3)
     r0, r1 = got["attention0"], got["attention1"]
-    assert r1["error"] is None and r1["mismatches"] == 0 and r1["longest_wait"] < 1.0, r1
+    assert r1["error"] is None and r1["mismatches"] == 0 and r1["longest_wait"] < STALL_S / 2, r1
     assert r0["error"] is None and r0["dropped"] is None and r0["mismatches"] == 0 and r0["served_after"] == 3, r0
     assert got["ffn0"]["error"] == "ConnectorClosed", got["ffn0"]
 
