@@ -39,6 +39,7 @@ finer control.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -109,10 +110,12 @@ def start(spec: dict[str, Any], workdir: Path) -> Engine:
 
 
 def kill(procs: Iterable[Process]) -> None:
-    """SIGKILL each still-running process's whole session."""
+    """SIGKILL each still-running process's whole session (one that ends meanwhile is left to its end: a forked
+    process's exit code comes over its server's socket, after its session may already be gone)."""
     for proc in procs:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
 
 
