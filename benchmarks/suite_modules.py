@@ -58,16 +58,28 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_figures(log: Path | None, tests: int, failed: int) -> list[record.Figure]:
     """The figures of one run of README's test command: tests, failures and, from its output (``log``), the wall
-    time of each part (its ``ci-time:`` lines) and the vLLM processes the real-vLLM session started."""
+    time of each part (its ``ci-time:`` lines) and of the whole command (install, ruff and all tests, one after
+    the other), and the vLLM processes started by the real-vLLM session (its summary is printed first) and by the
+    release smokes' sessions together."""
     figures = [record.Figure("tests", "tests run (both sessions)", tests, "", 0),
                record.Figure("failed", "tests failed or errored", failed, "", 0)]
     text = log.read_text(errors="replace") if log else ""
-    for i, match in enumerate(re.finditer(r"^ci-time: (.+) (\d+) s$", text, re.M)):
-        seconds = int(match[2])
-        figures.append(record.Figure(f"time_{i}", f"wall time: {match[1]}", seconds / 60, "min", 1, f"{seconds} s"))
-    for i, match in enumerate(m for m in re.finditer(r"vLLM starts: (\d+) \(([^)]*)\)", text) if m[1] != "0"):
-        figures.append(record.Figure(f"starts_{i}", "vLLM processes started by a pytest session", int(match[1]), "",
-                                     0, match[2]))
+    parts = {match[1]: int(match[2]) for match in re.finditer(r"^ci-time: (.+) (\d+) s$", text, re.M)}
+    for i, (part, seconds) in enumerate(parts.items()):
+        figures.append(record.Figure(f"time_{i}", f"wall time: {part}", seconds / 60, "min", 1, f"{seconds} s"))
+    if {"install", "ruff", "all tests"} <= parts.keys():
+        whole = parts["install"] + parts["ruff"] + parts["all tests"]
+        figures.append(record.Figure("time_whole", "wall time: the whole command", whole / 60, "min", 1,
+                                     f"{whole} s"))
+    sessions = [match for match in re.finditer(r"vLLM starts: (\d+) \(([^)]*)\)", text) if match[1] != "0"]
+    if sessions:
+        figures.append(record.Figure("starts_0", "vLLM processes started by the real-vLLM session",
+                                     int(sessions[0][1]), "", 0, sessions[0][2]))
+    if len(sessions) > 1:
+        smokes = sessions[1:]
+        figures.append(record.Figure("starts_smokes", f"vLLM processes started by the {len(smokes)} release smokes",
+                                     sum(int(m[1]) for m in smokes), "", 0,
+                                     " + ".join(m[1] for m in smokes)))
     return figures
 
 
