@@ -4,7 +4,7 @@ What vLLM does: before an engine starts, vLLM asks what the model class supports
 registered by module path (every built-in model, and the plugin's AFD models) it answers from
 ``$VLLM_CACHE_ROOT/modelinfos/<module>-<class>.json`` when that file names the current hash of the module's source,
 and otherwise imports the class in a fresh ``python -m vllm.model_executor.models.registry`` process (a whole vLLM
-import, about 10 s of CPU on this project's 2-core host) and writes the answer there. Engines started side by side
+import, about 8 s of CPU on this project's 2-core host) and writes the answer there. Engines started side by side
 on a cold cache each run that process for the same class (an AFD pair and its plain reference: three).
 
 What this does: ``python -m harness.model_infos`` loads vLLM's general plugins (so the AFD architectures are
@@ -12,7 +12,8 @@ registered, as in an engine) and asks vLLM's registry to inspect every plain and
 families, answering in this one process instead of one subprocess per class (the subprocess exists so that a
 CUDA caller does not initialise CUDA; this process is a throwaway). vLLM's own code computes the answer, the
 module hash and the file, so an engine later reads exactly what it would have written itself. A release whose
-registry lacks these functions is left to inspect as it does (the module says so and exits 0). ``warm_once``
+registry has no ``_run_in_subprocess`` is left to inspect as it does (the module says so and exits 0); any other
+failure fails the session's first real-vLLM test, naming it. ``warm_once``
 runs it once per test session, whichever pytest-xdist worker asks first.
 
 Limits: only the tiny families' architectures (``ARCHITECTURES``); a test that points ``VLLM_CACHE_ROOT``
