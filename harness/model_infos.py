@@ -13,8 +13,9 @@ families, answering in this one process instead of one subprocess per class (the
 CUDA caller does not initialise CUDA; this process is a throwaway). vLLM's own code computes the answer, the
 module hash and the file, so an engine later reads exactly what it would have written itself. A release whose
 registry has no ``_run_in_subprocess`` is left to inspect as it does (the module says so and exits 0); any other
-failure fails the session's first real-vLLM test, naming it. ``warm_once``
-runs it once per test session, whichever pytest-xdist worker asks first.
+failure errors the session's real-vLLM tests, naming it. ``warm_once`` runs it once per test session, whichever
+pytest-xdist worker asks first. ``--cached-only`` checks instead of filling: each architecture must be answered
+from the cache (an inspection in a subprocess raises), as an engine started afterwards would read it.
 
 Limits: only the tiny families' architectures (``ARCHITECTURES``); a test that points ``VLLM_CACHE_ROOT``
 elsewhere inspects there as vLLM does. Nothing here changes what an engine computes.
@@ -22,6 +23,7 @@ elsewhere inspects there as vLLM does. Nothing here changes what an engine compu
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import subprocess
 import sys
@@ -52,7 +54,15 @@ def warm_once(session_dir: Path) -> str:
         return run.stdout
 
 
-def main() -> None:
+def _refuse(fn: object) -> None:
+    raise AssertionError("inspected in a subprocess: not in vLLM's model-inspection cache")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cached-only", action="store_true",
+                        help="inspect from the cache alone (an inspection in a subprocess fails): a check, not a fill")
+    cached_only = parser.parse_args(argv).cached_only
     from vllm import ModelRegistry
     from vllm.model_executor.models import registry
     from vllm.plugins import load_general_plugins
@@ -61,14 +71,16 @@ def main() -> None:
     if not callable(getattr(registry, "_run_in_subprocess", None)):
         print("model infos: this vLLM's registry has no _run_in_subprocess; engines inspect as vLLM does")
         return
-    registry._run_in_subprocess = lambda fn: fn()  # this process is the throwaway one
+    # filling: this process is the throwaway one, so the class is inspected here
+    registry._run_in_subprocess = _refuse if cached_only else lambda fn: fn()
     known = set(ModelRegistry.get_supported_archs())
     inspected = []
     for arch in ARCHITECTURES:
         if arch in known:
             ModelRegistry.models[arch].inspect_model_cls()
             inspected.append(arch)
-    print(f"model infos: {len(inspected)} architectures inspected in one process "
+    how = "answered from the cache" if cached_only else "inspected in one process"
+    print(f"model infos: {len(inspected)} architectures {how} "
           f"({len(ARCHITECTURES) - len(inspected)} not registered on this vLLM)")
 
 
