@@ -10,7 +10,8 @@
 # The inner loop runs at normal priority and everything else under `nice -n 5`: it needs little CPU but holds
 # timing bounds (a rank's 2 s deadline), and done early it lets the smokes start beside the first stream.
 # Arguments go to both pytest sessions; with JUNIT_PREFIX=P they write P-vllm.xml / P-rest.xml. Either stream
-# failing fails the run. Prints the wall time of each part ("ci-time: ...").
+# failing fails the run. Prints the wall time of each part ("ci-time: ...") and, last, the failed tests of both
+# streams again (a log cut to its tail still names them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part() { local name=$1 start=$SECONDS rc=0; shift; "$@" || rc=$?; echo "ci-time: $name $((SECONDS - start)) s"; return "$rc"; }
@@ -46,9 +47,13 @@ start=$SECONDS
 (rc=0; second "$@" >"$second_log" 2>&1 || rc=$?; echo "$rc" >"$second_log.rc") &
 stream2=$!
 status=0
-part "suite(0.32.0, vllm)" nice -n 5 .venv/bin/python -m pytest -q -m vllm -n 2 --dist loadfile $(junit vllm) "$@" || status=$?
+first_log=$(mktemp)
+part "suite(0.32.0, vllm)" nice -n 5 .venv/bin/python -m pytest -q -m vllm -n 2 --dist loadfile $(junit vllm) "$@" \
+  2>&1 | tee "$first_log" || status=$?
 wait "$stream2"
 echo "---- stream 2, run alongside: the tests that start no vLLM (-m \"not vllm\"), then the release smokes:"
 cat "$second_log"
 echo "ci-time: all tests $((SECONDS - start)) s"
+# the failures of both streams again, last, where a truncated log still shows them
+grep -hE "^(FAILED|ERROR) |^nox > Session .* (failed|aborted)" "$first_log" "$second_log" || true
 [ "$status" -eq 0 ] && [ "$(cat "$second_log.rc")" -eq 0 ]
