@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     if not callable(getattr(registry, "_run_in_subprocess", None)):
         print("model infos: this vLLM's registry has no _run_in_subprocess; engines inspect as vLLM does")
         return
-    # filling: this process is the throwaway one, so the class is inspected here
+    # filling: this process is the throwaway one, so the class is inspected here; checking: a miss raises
     registry._run_in_subprocess = _refuse if cached_only else lambda fn: fn()
     known = set(ModelRegistry.get_supported_archs())
     inspected = []
