@@ -139,19 +139,15 @@ def _nccl_connector(group: Any) -> tuple[TorchDistConnector, TorchGroupTransport
     return conn, transport
 
 
-def test_nccl_wait_is_interrupted_by_close_and_by_a_lost_peer() -> None:
-    """The FFN's idle wait on NCCL: close() from another thread, or the heartbeat losing the peer, ends it."""
+def test_nccl_wait_is_interrupted_by_a_lost_peer() -> None:
+    """The FFN's idle wait on NCCL: the heartbeat losing the peer ends it, typed as a timeout naming the cause.
+    (close() from another thread: test_nccl_close_from_another_thread_interrupts_the_wait_and_aborts.)"""
     conn, transport = _nccl_connector(_Group())
     threading.Timer(0.2, lambda: conn._on_lost(1, "no heartbeat for 5.0s")).start()
     t0 = time.monotonic()
     with pytest.raises(ConnectorTimeout, match=r"lost attention rank 0.*no heartbeat"):
         conn._io("the next attention output", 1, lambda: transport.wait(_Work(60), 1, 60))
     assert time.monotonic() - t0 < 1.5
-    conn2, transport2 = _nccl_connector(_Group())
-    threading.Timer(0.2, conn2._cancel.set).start()
-    threading.Timer(0.2, transport2.interrupt, args=(1,)).start()
-    with pytest.raises(ConnectorClosed, match="closed by this side"):
-        conn2._io("the next attention output", 1, lambda: transport2.wait(_Work(60), 1, 60))
 
 
 # ------------------------------------------------------------------ FFN serve thread: device and dtype
