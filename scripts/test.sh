@@ -11,9 +11,11 @@
 # timing bounds (a rank's 2 s deadline), and done early it lets the smokes start beside the first stream.
 # Arguments go to both pytest sessions; with JUNIT_PREFIX=P they write P-vllm.xml / P-rest.xml. Either stream
 # failing fails the run. Prints the wall time of each part ("ci-time: ...") and, last, the failed tests of both
-# streams again (a log cut to its tail still names them).
+# streams again (a log cut to its tail still names them). Its logs live in a temporary folder removed at its exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
 part() { local name=$1 start=$SECONDS rc=0; shift; "$@" || rc=$?; echo "ci-time: $name $((SECONDS - start)) s"; return "$rc"; }
 part install bash scripts/install.sh
 part ruff .venv/bin/ruff check .
@@ -28,32 +30,29 @@ junit() { if [ -n "${JUNIT_PREFIX:-}" ]; then echo "--junitxml=$JUNIT_PREFIX-$1.
 second() {  # stream 2: its own exit code; its output goes to a file, shown after stream 1
   # the release venvs install in the background from the start (downloads and disk, little CPU); a smoke whose
   # venv did not install here installs it itself
-  local install_log installs
-  install_log=$(mktemp)
+  local installs
   (for release in $releases; do
      env PATH="$PWD/.venv/bin:$PATH" nice -n 5 .venv/bin/nox -s "release(vllm='$release')" --install-only || true
-   done) >"$install_log" 2>&1 &
+   done) >"$logs/installs" 2>&1 &
   installs=$!
   part "suite(0.32.0, not vllm)" .venv/bin/python -m pytest -q -m "not vllm" $(junit rest) "$@" || return 1
   part "release venvs (background, waited for)" wait "$installs"
-  grep -E "^nox > Session release" "$install_log" || tail -n 20 "$install_log"
+  grep -E "^nox > Session release" "$logs/installs" || tail -n 20 "$logs/installs"
   for release in $releases; do
     part "smoke($release)" env PATH="$PWD/.venv/bin:$PATH" nice -n 5 .venv/bin/nox -s "release(vllm='$release')" \
       || return 1
   done
 }
-second_log=$(mktemp)
 start=$SECONDS
-(rc=0; second "$@" >"$second_log" 2>&1 || rc=$?; echo "$rc" >"$second_log.rc") &
+(rc=0; second "$@" >"$logs/stream2" 2>&1 || rc=$?; echo "$rc" >"$logs/stream2.rc") &
 stream2=$!
 status=0
-first_log=$(mktemp)
 part "suite(0.32.0, vllm)" nice -n 5 .venv/bin/python -m pytest -q -m vllm -n 2 --dist loadfile $(junit vllm) "$@" \
-  2>&1 | tee "$first_log" || status=$?
+  2>&1 | tee "$logs/stream1" || status=$?
 wait "$stream2"
 echo "---- stream 2, run alongside: the tests that start no vLLM (-m \"not vllm\"), then the release smokes:"
-cat "$second_log"
+cat "$logs/stream2"
 echo "ci-time: all tests $((SECONDS - start)) s"
 # the failures of both streams again, last, where a truncated log still shows them
-grep -hE "^(FAILED|ERROR) |^nox > Session .* (failed|aborted)" "$first_log" "$second_log" || true
-[ "$status" -eq 0 ] && [ "$(cat "$second_log.rc")" -eq 0 ]
+grep -hE "^(FAILED|ERROR) |^nox > Session .* (failed|aborted)" "$logs/stream1" "$logs/stream2" || true
+[ "$status" -eq 0 ] && [ "$(cat "$logs/stream2.rc")" -eq 0 ]
