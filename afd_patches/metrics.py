@@ -13,7 +13,8 @@ Export
     (``export_from_front_end``, called by the ``--afd-*`` flag handling),
     creates a private directory (mode 0700), names it in ``AFD_METRICS_DIR``
     for the engine processes it spawns, and registers a collector that reads
-    the snapshots found there at scrape time. A worker (``start_writer``)
+    the snapshots found there at scrape time; the directory is removed when
+    that process exits (not after a SIGKILL). A worker (``start_writer``)
     writes its snapshot there (JSON, atomically) at most every
     ``WRITE_INTERVAL_S`` while it changes. Snapshots are data: each is opened
     without following links, must be a regular file of this user, at most
@@ -47,11 +48,13 @@ Limits
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import contextlib
 import json
 import logging
 import os
+import shutil
 import stat
 import tempfile
 import threading
@@ -183,7 +186,15 @@ def export_from_front_end() -> None:
 
     directory = tempfile.mkdtemp(prefix="afd-metrics-")  # mode 0700
     os.environ[METRICS_DIR_ENV] = directory
+    atexit.register(_remove_if_mine, directory, os.getpid())
     REGISTRY.register(SnapshotCollector(directory))
+
+
+def _remove_if_mine(directory: str, owner_pid: int) -> None:
+    """At exit: remove the metrics directory, in the process that made it only (a forked child inherits the
+    handler, and must not remove it under a running API server)."""
+    if os.getpid() == owner_pid:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _read_snapshot(path: str) -> dict[str, Any] | None:

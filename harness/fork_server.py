@@ -195,7 +195,7 @@ class Server:
 
     def close(self) -> None:
         """End the server (it exits once its socket closes; the reader's file object holds the socket open, hence
-        the shutdown). Engines it forked run on: each test ends its own."""
+        the shutdown) and remove its log. Engines it forked run on: each test ends its own."""
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -205,6 +205,7 @@ class Server:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+        self._log.unlink(missing_ok=True)
 
 
 _SERVERS: dict[frozenset[tuple[str, str]], Server] = {}  # by environment, least recently used first

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -68,3 +71,26 @@ def test_worker_exports_nothing_without_a_private_directory(tmp_path: Path, monk
     shared.chmod(0o777)
     monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(shared))
     assert not metrics.start_writer("ffn", 0)
+
+
+_FRONT_END = textwrap.dedent("""
+    import os, sys
+    from afd_patches import metrics
+    metrics.export_from_front_end()
+    directory = os.environ[metrics.METRICS_DIR_ENV]
+    print(directory, flush=True)
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)  # a forked child runs the inherited exit handlers
+    os.waitpid(child, 0)
+    print(os.path.isdir(directory), flush=True)
+""")
+
+
+def test_the_front_ends_metrics_directory_is_removed_when_it_exits() -> None:
+    """The directory lives as long as the process that made it; a forked child's exit leaves it."""
+    env = {k: v for k, v in os.environ.items() if k != metrics.METRICS_DIR_ENV}
+    out = subprocess.run([sys.executable, "-c", _FRONT_END], capture_output=True, text=True, env=env, timeout=60,
+                         check=True).stdout.split()
+    assert len(out) == 2 and out[1] == "True", out
+    assert os.path.basename(out[0]).startswith("afd-metrics-") and not os.path.exists(out[0]), out
