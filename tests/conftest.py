@@ -12,8 +12,7 @@ its ten slowest tests (setup + call + teardown). vLLM processes are forked from 
 (``harness.fork_server``; ``HARNESS_FORK_SERVER=0`` starts each fresh), and plain vLLM's results are cached by
 content under ``.cache/plain`` (``harness.plain_cache``; ``HARNESS_PLAIN_CACHE=0`` runs every plain engine). Under
 pytest-xdist the workers record into their controller's folder, and a module whose tests are spread over workers
-is checked against what was recorded by the time its teardown runs on each. At its end the session (the controller
-under pytest-xdist) unlinks the shared memory its vLLM processes left in ``/dev/shm`` (``harness.shm_leftovers``).
+is checked against what was recorded by the time its teardown runs on each.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import shutil
 import sys
 import tempfile
 import textwrap
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,14 +31,12 @@ from typing import Any
 import pytest
 
 import patchkit
-from harness import fork_server, plain_cache, shm_leftovers, starts, xdist_groups
+from harness import fork_server, plain_cache, starts, xdist_groups
 from patchkit.plan import Runtime
 
 _STARTS_DIR = pytest.StashKey[str]()
 _PREVIOUS_DIR = pytest.StashKey["str | None"]()
 _BUDGETS = pytest.StashKey[dict[str, int]]()
-_STARTED_AT = pytest.StashKey[float]()
-_SHM_UNLINKED = pytest.StashKey[list[str]]()
 SLOWEST = 10
 
 
@@ -55,7 +51,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_PREVIOUS_DIR] = os.environ.get(starts.ENV)
     config.stash[_STARTS_DIR] = os.environ[starts.ENV] if _worker(config) else tempfile.mkdtemp(prefix="afd-starts-")
     config.stash[_BUDGETS] = {}
-    config.stash[_STARTED_AT] = time.time()
     os.environ[starts.ENV] = config.stash[_STARTS_DIR]
     os.environ.setdefault(fork_server.ENV, "1")
     os.environ.setdefault(plain_cache.ENV, "1")
@@ -65,12 +60,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under ``--dist loadfile``, modules that declare the same ``XDIST_GROUP`` run on one worker
     (``harness.xdist_groups``)."""
     return xdist_groups.make_scheduler(config, log)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Unlink the shared memory this session's vLLM processes left (every engine has ended by now)."""
-    if _STARTED_AT in session.config.stash and not _worker(session.config):
-        session.config.stash[_SHM_UNLINKED] = shm_leftovers.sweep(session.config.stash[_STARTED_AT])
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -118,11 +107,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
             budget = int(xdist_groups.declared(config.rootpath / module, "ENGINE_BUDGET", 0))
         terminalreporter.write_line(f"{sum(counts.values()):5d}  {module or '(outside a test)'}  ({detail}; "
                                     f"budget {budget})")
-    unlinked = config.stash.get(_SHM_UNLINKED, [])
-    if unlinked:
-        kinds = Counter(shm_leftovers.kind_of(name) for name in unlinked)
-        terminalreporter.write_line(f"shared memory left by vLLM processes, unlinked: {len(unlinked)} files (" +
-                                    ", ".join(f"{n} {kind}*" for kind, n in sorted(kinds.items())) + ")")
     per_test: Counter[str] = Counter()
     for reports in terminalreporter.stats.values():
         for report in reports:
