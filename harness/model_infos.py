@@ -13,9 +13,11 @@ families, answering in this one process instead of one subprocess per class (the
 CUDA caller does not initialise CUDA; this process is a throwaway). vLLM's own code computes the answer, the
 module hash and the file, so an engine later reads exactly what it would have written itself. A release whose
 registry has no ``_run_in_subprocess`` is left to inspect as it does (the module says so and exits 0); any other
-failure errors the session's real-vLLM tests, naming it. ``warm_once`` runs it once per test session, whichever
-pytest-xdist worker asks first. ``--cached-only`` checks instead of filling: each architecture must be answered
-from the cache (an inspection in a subprocess raises), as an engine started afterwards would read it.
+failure errors the session's real-vLLM tests, naming it. Having filled, it reads every answer back as an engine
+would (an answer vLLM failed to save, which vLLM only logs, fails the fill). ``warm_once`` runs it once per test
+session, whichever pytest-xdist worker asks first. ``--cached-only`` checks instead of filling: each architecture
+must be answered from the cache, as an engine started afterwards would read it; each miss is named on the exit
+line with what lies at its cache file (absent, or the hash it holds and its age).
 
 Limits: only the tiny families' architectures (``ARCHITECTURES``); a test that points ``VLLM_CACHE_ROOT``
 elsewhere inspects there as vLLM does. Nothing here changes what an engine computes.
@@ -25,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from harness.env import REPO, vllm_env
@@ -54,8 +58,39 @@ def warm_once(session_dir: Path) -> str:
         return run.stdout
 
 
+class _Refused(Exception):
+    """An inspection that would have run in a subprocess: not answered from the cache."""
+
+
 def _refuse(fn: object) -> None:
-    raise AssertionError("inspected in a subprocess: not in vLLM's model-inspection cache")
+    raise _Refused
+
+
+def _cache_file_state(model: object) -> str:
+    """What lies at the model's cache file, for a miss's message: absent, or its size, age and stored hash."""
+    try:
+        path = Path(model._get_cache_dir()) / model._get_cache_filename()  # type: ignore[attr-defined]
+    except AttributeError:
+        return "(this vLLM names no cache file)"
+    try:
+        stat, stored = path.stat(), json.loads(path.read_text()).get("hash")
+    except FileNotFoundError:
+        return f"{path} absent"
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"{path} unreadable ({exc!r})"
+    return f"{path} holds hash {stored!r}, {stat.st_size} B, written {time.time() - stat.st_mtime:.0f} s ago"
+
+
+def _misses(registry: object, archs: list[str]) -> list[str]:
+    """The architectures of ``archs`` vLLM's registry does not answer from the cache, each with its file's state."""
+    misses = []
+    for arch in archs:
+        model = registry.models[arch]  # type: ignore[attr-defined]
+        try:
+            model.inspect_model_cls()
+        except _Refused:
+            misses.append(f"{arch}: {_cache_file_state(model)}")
+    return misses
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,17 +106,20 @@ def main(argv: list[str] | None = None) -> None:
     if not callable(getattr(registry, "_run_in_subprocess", None)):
         print("model infos: this vLLM's registry has no _run_in_subprocess; engines inspect as vLLM does")
         return
-    # filling: this process is the throwaway one, so the class is inspected here; checking: a miss raises
-    registry._run_in_subprocess = _refuse if cached_only else lambda fn: fn()
     known = set(ModelRegistry.get_supported_archs())
-    inspected = []
-    for arch in ARCHITECTURES:
-        if arch in known:
+    archs = [arch for arch in ARCHITECTURES if arch in known]
+    if not cached_only:  # this process is the throwaway one: each class is inspected here and its answer saved
+        registry._run_in_subprocess = lambda fn: fn()
+        for arch in archs:
             ModelRegistry.models[arch].inspect_model_cls()
-            inspected.append(arch)
-    how = "answered from the cache" if cached_only else "inspected in one process"
-    print(f"model infos: {len(inspected)} architectures {how} "
-          f"({len(ARCHITECTURES) - len(inspected)} not registered on this vLLM)")
+    # the check, and the fill's proof that it saved every answer: an inspection in a subprocess is a miss
+    registry._run_in_subprocess = _refuse
+    misses = _misses(ModelRegistry, archs)
+    if misses:
+        sys.exit("model infos: not answered from the cache: " + "; ".join(misses))
+    how = "answered from the cache" if cached_only else "inspected in one process, then answered from the cache"
+    print(f"model infos: {len(archs)} architectures {how} ({len(ARCHITECTURES) - len(archs)} not registered "
+          f"on this vLLM)")
 
 
 if __name__ == "__main__":
