@@ -50,8 +50,8 @@ pytestmark = pytest.mark.vllm
 # vLLM starts (harness.starts; tests/conftest.py holds the module to them). 83: 1A1F on 14 families (plain + FFN +
 # attention each) and 2 pingpong pairs, 1 plain that cannot run, 4 compiled triples and a second compiled llama
 # pair, 6 2A1F triples (llama's also check a busy rank beside an idle one), 2 kill pairs; 88: and the idle 1A1F pair
-# and 2A1F triple.
-ENGINE_BUDGET = 88
+# and 2A1F triple; 92: and plain with the prompts twice over, for each of the 4 families of 2A1F batched.
+ENGINE_BUDGET = 92
 # On the pytest-xdist worker of the other module that shares the 1A1F pairs (tests/conftest.py).
 XDIST_GROUP = "afd-1a1f-pairs"
 
@@ -60,6 +60,10 @@ PROMPTS = [[1, 17, 42, 99, 123, 7], [5, 300, 211, 64], [9, 8, 7, 6, 5, 4, 3, 2, 
 MAX_TOKENS = 8
 LOGPROBS = 5
 ABS_TOL = 0.0  # token-exact: the same dtype on CPU gives bit-identical logprobs (float32 and bfloat16 alike)
+# Where one FFN call computes two attention ranks' rows together (2A1F batched), a family whose kernels round a row
+# differently in a bigger batch moves as plain vLLM does between batches: glm4_moe's plain logprobs move by 2^-20
+# (9.5e-7) from 3 prompts to 6; AFD is held to this many times plain's own move (0 where plain's does not move)
+BATCH_SPREAD_FACTOR = 4
 
 
 def _build_model(path: Path, family: str) -> Path:
@@ -83,8 +87,9 @@ def _spec(name: str, mode: str, model: Path, family: str, afd: dict[str, Any] | 
             "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS, "compiled": compiled}
 
 
-def _assert_same_outputs(plain: dict[str, Any], afd: dict[str, Any]) -> float:
-    """Same greedy tokens and same top-k token sets; logprobs within ABS_TOL. Returns the max difference."""
+def _assert_same_outputs(plain: dict[str, Any], afd: dict[str, Any], tol: float = ABS_TOL) -> float:
+    """Same greedy tokens and same top-k token sets; logprobs within ``tol`` (default ABS_TOL: bit-identical).
+    Returns the max difference."""
     assert afd["tokens"] == plain["tokens"]
     worst = 0.0
     for seq_p, seq_a in zip(plain["logprobs"], afd["logprobs"], strict=True):
@@ -92,8 +97,17 @@ def _assert_same_outputs(plain: dict[str, Any], afd: dict[str, Any]) -> float:
             assert set(step_p) == set(step_a)
             for tok, lp in step_p.items():
                 worst = max(worst, abs(lp - step_a[tok]))
-    assert worst <= ABS_TOL, f"max |logprob difference| {worst}"
+    assert worst <= tol, f"max |logprob difference| {worst} (allowed {tol})"
     return worst
+
+
+def _batch_spread(plain: dict[str, Any], doubled: dict[str, Any]) -> float:
+    """How far plain vLLM's own logprobs move when its batch holds every prompt twice (``doubled``: the prompts
+    of ``plain`` twice over, in one run): each copy has plain's tokens, and the max difference is returned."""
+    n = len(plain["tokens"])
+    assert len(doubled["tokens"]) == 2 * n
+    return max(_assert_same_outputs(plain, {k: doubled[k][i * n:(i + 1) * n] for k in ("tokens", "logprobs")},
+                                    tol=float("inf")) for i in range(2))
 
 
 def _check_roles(ffn: dict[str, Any], attns: list[dict[str, Any]], schedule: str = "batched") -> None:
@@ -273,14 +287,20 @@ def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
     idle_phase = family == "llama"
     if idle_phase:  # rank 0 again once rank 1 is done (rank 1 idles until rank 0 is done)
         attn_specs[0]["rounds"] = [[flags[1]]]
-    plain, (ffn, *attns) = _run_with_plain(
-        workdir, family, [_spec(f"{family}-2a-ffn", "ffn", model, family, {**afd, "role": "ffn"}), *attn_specs])
+    # batched: the FFN computes one rank's rows beside the other's, as plain vLLM computes a request beside the
+    # others of its batch; where the family's kernels round a row differently in a bigger batch (plain vLLM's own
+    # logprobs move then too), AFD is held to a few times plain's own move, measured here; elsewhere to 0
+    doubled = [{**_spec(f"{family}-plain-2x", "plain", model, family), "prompts": PROMPTS * 2}]
+    plain, (ffn, *attns) = _run_with_plain(workdir, family, [
+        _spec(f"{family}-2a-ffn", "ffn", model, family, {**afd, "role": "ffn"}), *attn_specs,
+        *(doubled if schedule == "batched" else [])])
+    tol = ABS_TOL if schedule == "pingpong" else BATCH_SPREAD_FACTOR * _batch_spread(plain, attns.pop())
     for attn in attns:
-        _assert_same_outputs(plain, attn)
+        _assert_same_outputs(plain, attn, tol)
     _check_roles(ffn, attns, schedule)
     if not idle_phase:
         return
-    _assert_same_outputs(plain, attns[0]["rounds"][0])
+    _assert_same_outputs(plain, attns[0]["rounds"][0], tol)
     busy, idle = (a["stats"][0] for a in attns)
     if schedule == "batched":
         assert idle["idle_steps"] > 0  # zero-token steps while the other rank worked
