@@ -3,7 +3,11 @@
 One policy: offline (no usage stats, no hub), one OpenMP thread, and one vLLM cache per vLLM
 release inside the checkout (``.cache/vllm/<release>``: vLLM writes its model-inspection cache
 atomically, so engines started side by side may share it, but each file names one release's
-source hash, so two releases sharing it would each find the other's answer stale). Variables
+source hash, so two releases sharing it would each find the other's answer stale). A process
+that puts another vLLM tree in front (``PYTHONPATH`` in ``extra``: the drift tests' edited copy
+of the installed vLLM) gets that tree's own cache, ``<first PYTHONPATH entry>/.vllm-cache``: its
+edited modules hash differently, and its answers written to the release's cache replaced the
+release's own, so every later engine inspected that class again. Variables
 that would steer patchkit or switch plugins off (``PATCHKIT_*``, ``VLLM_PLUGINS``) are dropped
 from the inherited environment; a caller that wants them passes them in ``extra``. Thread
 binding is left to vLLM (``auto``) here; the engine driver (``harness.engine``) switches it off
@@ -46,13 +50,17 @@ def vllm_cache_root() -> Path:
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
-    """The inherited environment without ``PATCHKIT_*``/``VLLM_PLUGINS``, plus ``BASE_ENV``, plus ``extra``.
+    """The inherited environment without ``PATCHKIT_*``/``VLLM_PLUGINS``, plus ``BASE_ENV``, plus ``extra``;
+    ``VLLM_CACHE_ROOT`` is this release's cache, or the tree's own where ``extra`` has a ``PYTHONPATH`` (module
+    docstring), unless ``extra`` names one.
 
     Drivers run as ``python -m harness.NAME`` with ``cwd=REPO`` (``-m`` puts the
     working directory first on ``sys.path``), so nothing here edits ``PYTHONPATH``.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PATCHKIT_", "VLLM_PLUGINS"))}
-    return {**env, **BASE_ENV, "VLLM_CACHE_ROOT": str(vllm_cache_root()), **extra}
+    tree = extra.get("PYTHONPATH", "").split(os.pathsep)[0]
+    cache = Path(tree) / ".vllm-cache" if tree else vllm_cache_root()
+    return {**env, **BASE_ENV, "VLLM_CACHE_ROOT": str(cache), **extra}
 
 
 # Ports the tests hand out: below Linux's default ephemeral range (32768-60999), where the kernel places the ports
