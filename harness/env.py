@@ -6,8 +6,8 @@ atomically, so engines started side by side may share it, but each file names on
 source hash, so two releases sharing it would each find the other's answer stale). A process
 that puts another vLLM tree in front (``PYTHONPATH`` in ``extra``: the drift tests' edited copy
 of the installed vLLM) gets that tree's own cache, ``<first PYTHONPATH entry>/.vllm-cache``: its
-edited modules hash differently, and its answers written to the release's cache replaced the
-release's own, so every later engine inspected that class again. Variables
+edited modules hash differently, so its answers would replace the release's own and every later
+engine would inspect those classes again. Variables
 that would steer patchkit or switch plugins off (``PATCHKIT_*``, ``VLLM_PLUGINS``) are dropped
 from the inherited environment; a caller that wants them passes them in ``extra``. Thread
 binding is left to vLLM (``auto``) here; the engine driver (``harness.engine``) switches it off

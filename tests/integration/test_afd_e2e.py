@@ -290,10 +290,10 @@ def test_afd_2a1f_matches_plain_vllm(workdir: Path, family: str, schedule: str) 
     # batched: the FFN computes one rank's rows beside the other's, as plain vLLM computes a request beside the
     # others of its batch; where the family's kernels round a row differently in a bigger batch (plain vLLM's own
     # logprobs move then too), AFD is held to a few times plain's own move, measured here; elsewhere to 0
-    doubled = [{**_spec(f"{family}-plain-2x", "plain", model, family), "prompts": PROMPTS * 2}]
+    doubled = [{**_spec(f"{family}-plain-2x", "plain", model, family), "prompts": PROMPTS * 2}
+               ] if schedule == "batched" else []
     plain, (ffn, *attns) = _run_with_plain(workdir, family, [
-        _spec(f"{family}-2a-ffn", "ffn", model, family, {**afd, "role": "ffn"}), *attn_specs,
-        *(doubled if schedule == "batched" else [])])
+        _spec(f"{family}-2a-ffn", "ffn", model, family, {**afd, "role": "ffn"}), *attn_specs, *doubled])
     tol = ABS_TOL if schedule == "pingpong" else BATCH_SPREAD_FACTOR * _batch_spread(plain, attns.pop())
     for attn in attns:
         _assert_same_outputs(plain, attn, tol)
