@@ -78,6 +78,8 @@ COUNTERS = {
     "handshakes_accepted": "Rendezvous handshakes that authenticated and joined a group.",
     "handshakes_refused": "Rendezvous connections refused (malformed, unauthenticated, slow, duplicate).",
     "group_reformations": "AFD groups formed after the first (attention engines restarted).",
+    "group_formation_failures": "Group formation attempts that failed (any cause: a peer missing, refused or "
+                                "mismatched, the token file or host name unusable for a moment); each is retried.",
     "steps": "Forward steps of the attention model (attention role).",
     "micro_batches": "Micro-batches those steps ran in (a step not split counts 1); divided by steps: the mean "
                      "micro-batch count per step.",

@@ -45,7 +45,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -56,9 +56,6 @@ from afd_patches.models import microbatch
 from afd_patches.models.ffn_proxy import AfdFfnProxy, building
 from afd_patches.models.link import AfdLink
 from afd_patches.topology import ATTENTION, FFN
-
-if TYPE_CHECKING:
-    from afd_patches.connectors.base import Connector
 
 
 def afd_config_of(vllm_config: Any) -> AfdConfig:
@@ -255,12 +252,6 @@ class AfdCausalLMMixin(nn.Module):
         self.model.layers = layers
 
     # ---- runtime --------------------------------------------------------
-    def afd_bind(self, connector: Connector) -> None:
-        """Attach the connector the attention role exchanges through (called by the attention worker)."""
-        if self.afd_role != ATTENTION:
-            raise RuntimeError("afd_bind is for the attention role")
-        self._afd_link.connector = connector
-
     def afd_stats(self) -> dict[str, int]:
         """Forward steps, layer exchanges (micro-batch 0's) and micro-batches so far (attention role), layer
         count, and (FFN role) the seconds ``afd_compile_ffn`` spent."""

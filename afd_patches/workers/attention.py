@@ -2,26 +2,26 @@
 
 A normal vLLM worker with a KV cache. Asked for ``micro_batches`` > 1 it fails at start when the manifest
 entries that split steps on the model runner it built are not applied (``micro_batches.refuse_unless_split``).
-After the model is loaded it builds the connector named by the AFD config (``afd_patches.workers.connection``),
-connects (blocking until the FFN role is there, at most ``timeout_s``) and binds it to the model, so the
-warm-up/profile forwards that follow already exchange with the FFN role. It outlives its FFN role: a step
-that fails with a ``ConnectorError`` (the FFN died, restarted or went silent) raises ``AfdGroupDown`` naming
-AFD and the FFN's ``host:port``, and the group is re-formed in the background at the same address
-(``GroupKeeper``, ``afd_patches.workers.regroup``); ``afd_group_status()`` reports it to the engine core and
-the API server, which fail the requests and report unhealthy meanwhile (``afd_patches.patches.outage``).
-Through ``collective_rpc`` it exposes ``afd_stats()`` (``afd_patches.workers.role``, plus ``group``, its
-``afd_group_status()``) and ``afd_group_status()``; it starts the ``vllm:afd_*`` metrics writer and keeps
-the ``vllm:afd_group_up`` gauge (``afd_patches.metrics``).
+After the model is loaded it hands the group to an ``AttentionGroup`` (``afd_patches.workers.regroup``), which
+forms the first group (at most ``timeout_s``: the warm-up/profile forwards that follow already exchange with
+the FFN role) and binds it to the model's link. It outlives its FFN role: a step that fails with a
+``ConnectorError`` (the FFN died, restarted or went silent) raises ``AfdGroupDown`` naming AFD and the FFN's
+``host:port``, and the ``AttentionGroup`` re-forms the group in the background at the same address, through
+any transient fault; ``afd_group_status()`` reports it to the engine core and the API server, which fail the
+requests and report unhealthy meanwhile (``afd_patches.patches.outage``). Through ``collective_rpc`` it
+exposes ``afd_stats()`` (``afd_patches.workers.role``, plus ``group``, its ``afd_group_status()``) and
+``afd_group_status()``; it starts the ``vllm:afd_*`` metrics writer, and the ``AttentionGroup`` keeps the
+``vllm:afd_group_up`` gauge (``afd_patches.metrics``).
 
 Lockstep (rA:1F, ``schedule: batched``): an idle vLLM engine does not step, yet the FFN rank waits for every
 attention rank it serves before its one batched call. So when an FFN rank serves more than one attention
-rank, each attention worker runs an idle ticker (not with ``schedule: pingpong``, where the FFN rank serves
+rank, the ``AttentionGroup`` runs an idle ticker (not with ``schedule: pingpong``, where the FFN rank serves
 each rank's layer as it arrives, nor in a vLLM data-parallel engine that vLLM steps with its peers by dummy
-batches, ``afd_patches.patches.data_parallel``): after ``IDLE_TICK_S`` without a step it runs a zero-token
-step (every layer, empty tensors) through the connector. Busy ranks then wait at most about ``IDLE_TICK_S``
-per step for idle ones; a rank that stalls (no step within ``timeout_s`` of the others) is dropped by the
-FFN rank and re-joins through its ``GroupKeeper`` (``afd_patches.connectors.schedule``). Idle ranks' step
-ids differ from busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
+batches, ``afd_patches.patches.data_parallel``): after ``regroup.IDLE_TICK_S`` without a step it runs a
+zero-token step (every layer, empty tensors) through the connector. Busy ranks then wait at most about
+``IDLE_TICK_S`` per step for idle ones; a rank that stalls (no step within ``timeout_s`` of the others) is
+dropped by the FFN rank and re-joins through its ``AttentionGroup`` (``afd_patches.connectors.schedule``).
+Idle ranks' step ids differ from busy ranks'; the FFN side must pair messages by arrival and layer, not by step.
 
 Under attention TP only TP rank 0 exchanges; the others take its answers (``afd_patches.workers.tp_group``).
 Limits: idle ticks cost empty exchanges at about 1/IDLE_TICK_S per second while every rank is idle. An
@@ -31,8 +31,6 @@ attention rank that shuts down counts as idle from then on.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Any
 
 from afd_patches import LOGGER, metrics, trace
@@ -42,18 +40,16 @@ from afd_patches.models.causal_lm import afd_config_of
 from afd_patches.patches import data_parallel, micro_batches
 from afd_patches.workers import tp_group
 from afd_patches.workers.connection import build_connector, model_identity
-from afd_patches.workers.regroup import GroupKeeper, idle_wait_s
+from afd_patches.workers.regroup import AttentionGroup
 from afd_patches.workers.role import RoleBase
 
 logger = logging.getLogger(LOGGER)
-
-IDLE_TICK_S = 0.02
 
 
 class AttentionRoleMixin(RoleBase):
     """Attention role: connect after loading the model and bind the connector to it; outlive the FFN role."""
 
-    _afd_keeper: GroupKeeper | None = None
+    _afd_group: AttentionGroup | None = None
     _afd_micro = (1, 1)  # micro_batches, micro_batch_min_tokens (connector_extra_config)
     _afd_tp_target: tp_group.AttentionLeader | tp_group.AttentionFollower | None = None  # under attention TP
 
@@ -75,7 +71,7 @@ class AttentionRoleMixin(RoleBase):
             micro_batches.ask(opts.micro_batches, opts.micro_batch_min_tokens)
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         model = self._afd_model()
-        if not hasattr(model, "afd_bind"):
+        if not hasattr(model, "afd_link"):
             raise RuntimeError(
                 f"AFD attention role needs an AFD<Arch> model, got {type(model).__name__}; "
                 "select it with hf_overrides={'architectures': ['AFD<Arch>']}")
@@ -85,25 +81,19 @@ class AttentionRoleMixin(RoleBase):
                 logger.info("AFD attention rank %d, TP rank %d: follows its TP rank 0", cfg.rank, tp.rank)
                 return
         identity = model_identity(self.vllm_config, model)
-        connector = build_connector(cfg, identity)
         metrics.start_writer("attention", cfg.rank)
         trace.TRACER.start("attention", cfg.rank)
-        t0 = time.monotonic()
-        connector.init()
-        logger.info("AFD attention rank %d connected in %.1fs", cfg.rank, time.monotonic() - t0)
-        model.afd_bind(connector)
+        link = model.afd_link()
         if cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched":
-            model.afd_link().pad_micro_batches = opts.micro_batches  # its FFN rank batches ranks by micro-batch
+            link.pad_micro_batches = opts.micro_batches  # its FFN rank batches ranks by micro-batch
+        tick = (cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched"
+                and not data_parallel.vllm_keeps_lockstep(self.vllm_config))
+        self._afd_group = AttentionGroup(cfg.rank, f"{cfg.host}:{cfg.port}", lambda: build_connector(cfg, identity),
+                                         link, opts.idle_timeout_s, cfg.timeout_s, tick)
+        self._afd_group.start()  # the warm-up/profile forwards that follow already exchange with the FFN role
         if opts.micro_batches > 1:
             logger.info("AFD attention rank %d: steps of at least %d tokens run as %d micro-batches", cfg.rank,
                         opts.micro_batch_min_tokens, opts.micro_batches)
-        self._afd_keeper = GroupKeeper(cfg, lambda: build_connector(cfg, identity), model.afd_link(), connector,
-                                       idle_wait_s(cfg))
-        self._afd_ticker_stop = threading.Event()
-        if (cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched"
-                and not data_parallel.vllm_keeps_lockstep(self.vllm_config)):
-            threading.Thread(target=self._afd_tick, args=(model.afd_link(),), name=f"afd-idle-{cfg.rank}",
-                             daemon=True).start()
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's step; a connector error (the FFN role lost) becomes ``AfdGroupDown`` naming the FFN's address,
@@ -112,32 +102,18 @@ class AttentionRoleMixin(RoleBase):
             with micro_batches.in_step(*self._afd_micro):
                 return super().execute_model(*args, **kwargs)  # type: ignore[misc]
         except ConnectorError as e:
-            if self._afd_keeper is None:
+            if self._afd_group is None:
                 raise
-            raise self._afd_keeper.lost(e) from e
-
-    def _afd_tick(self, link: Any) -> None:
-        """Zero-token steps while this engine is idle, so the FFN rank's batch never waits forever."""
-        while not self._afd_ticker_stop.wait(IDLE_TICK_S):
-            try:
-                link.try_idle_step(IDLE_TICK_S)
-            except ConnectorError as e:
-                if self._afd_ticker_stop.is_set() or self._afd_keeper is None:
-                    return
-                self._afd_keeper.lost(e)  # idle steps resume once the group has re-formed
-            except Exception:
-                if not self._afd_ticker_stop.is_set():
-                    logger.exception("AFD idle step failed; stopping the idle ticker")
-                return
+            raise self._afd_group.lost(e) from e
 
     def afd_group_status(self) -> dict[str, Any]:
-        """Whether this rank has a group now, and the last outage (see ``GroupKeeper.status``)."""
+        """Whether this rank has a group now, and the last outage (see ``AttentionGroup.status``)."""
         if isinstance(self._afd_tp_target, tp_group.AttentionFollower):
             return tp_group.follower_status(self._afd_tp_target.channel.rank)
-        if self._afd_keeper is None:
+        if self._afd_group is None:
             return {"role": "attention", "up": False, "error": "AFD: the attention worker has no group yet",
                     "since": None, "outages": 0, "reformations": 0, "address": None}
-        return self._afd_keeper.status()
+        return self._afd_group.status()
 
     def afd_stats(self) -> dict[str, Any]:
         """Stats between steps (waits up to 5 s for a step in flight, so counts are consistent)."""
@@ -145,9 +121,9 @@ class AttentionRoleMixin(RoleBase):
         locked = lock.acquire(timeout=5.0)
         try:
             stats = self._afd_common_stats("attention")
-            if self._afd_keeper is not None:
-                stats["messages_sent"], stats["messages_received"] = self._afd_keeper.messages()
-                stats["group"] = self._afd_keeper.status()
+            if self._afd_group is not None:
+                stats["messages_sent"], stats["messages_received"] = self._afd_group.messages()
+                stats["group"] = self._afd_group.status()
             if self._afd_tp_target is not None:
                 stats["tp_rank"] = self._afd_tp_target.channel.rank
                 if isinstance(self._afd_tp_target, tp_group.AttentionFollower):
@@ -159,11 +135,8 @@ class AttentionRoleMixin(RoleBase):
 
     def afd_close(self) -> None:
         """Stop re-forming and close the connector (the FFN role then sees ConnectorClosed). Idempotent."""
-        stop = getattr(self, "_afd_ticker_stop", None)
-        if stop is not None:
-            stop.set()
-        if self._afd_keeper is not None:
-            self._afd_keeper.stop()
+        if self._afd_group is not None:
+            self._afd_group.stop()
 
     def shutdown(self) -> None:
         try:

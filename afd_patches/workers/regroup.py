@@ -1,44 +1,46 @@
-"""An AFD group's lifecycle on each side, with one retry policy and one idle wait for both.
+"""One formation loop for both AFD roles, and the attention side's group across outages.
 
-Both sides form every group the same way: one formation (the connector's ``init``) waits for the peers for as
-long as ``idle_wait_s`` (``connector_extra_config.idle_timeout_s``, default the connector's ``IDLE_TIMEOUT_S``,
-a week: a group, the first one too, may take as long as a deploy takes); one that fails (a mismatched or
-foreign peer, the wait running out, the port held by another program) is logged and tried again after
-``retry_pause``: ``RETRY_S``, doubled per failure in a row, at most ``RETRY_MAX_S``.
+``FormationLoop`` (both sides)
+    Forms one group after another for one rank. An attempt builds a new connector (``build``) and waits in
+    its ``init`` for the peers, at most ``wait_s`` (``connector_extra_config.idle_timeout_s``: a group, the
+    first one too, may take as long as a deploy takes). *Any* exception of an attempt — a peer that does
+    not show up, a mismatched or foreign peer, the port held by another program, the host name not
+    resolving for a moment, the token file unreadable or too open during a rotation, a bug — ends that
+    attempt only: it is logged at ERROR the first time its cause (exception type and message) is seen
+    and at DEBUG when it repeats, counted (``vllm:afd_group_formation_failures``), and the next attempt
+    starts after ``retry_pause``: ``RETRY_S``, doubled per failure in a row, at most ``RETRY_MAX_S`` and at
+    most the group's ``timeout_s`` (so a peer that is back waits at most that long for the next attempt).
+    Only the stop event ends the loop (``form`` then returns None); ``cancel`` closes the connector whose
+    ``init`` is in progress, so a stop takes effect at once. The token file and the host name are read by
+    the connector at each attempt (``afd_patches.connectors``), so a rotated token or a moved host is
+    picked up by the next attempt, and a transient fault costs one pause, never the loop. With
+    ``deadline`` (the attention side's first group, formed inside vLLM's ``load_model``) the loop gives up
+    once the next attempt could not start before it, raising ``FormationFailed`` with the last cause.
 
-FFN side: ``GroupFormer`` forms each group the FFN worker serves (``FfnRoleMixin._afd_serve``,
-``afd_patches.workers.ffn``), the first exactly as any later one: ``form(conn)`` logs that it waits, keeps
-``vllm:afd_group_up`` at 0 meanwhile, and returns True once the group formed (counted, and from the second
-group on counted as ``vllm:afd_group_reformations``), or False after a failed formation and its pause. Only
-the worker's stop event ends the waiting.
+``AttentionGroup`` (attention side)
+    Owns the attention worker's connector: ``start()`` forms the first group (bounded by ``timeout_s``,
+    transient faults retried within it), binds it to the model's link and starts the idle ticker where the
+    lockstep needs one; ``stop()`` ends everything. Idempotent.
 
-Attention side: ``GroupKeeper`` owns the attention worker's connector once the first group has
-formed (``AttentionRoleMixin.load_model``):
+    - ``lost(error)``: a step or an idle step raised ``error`` (a ``ConnectorError``: the FFN closed, broke
+      the connection or stayed silent for ``timeout_s``). The first call of an outage unbinds the connector
+      from the link (between steps, under its lock), so every later exchange raises ``AfdGroupDown`` at
+      once, with a message naming AFD, this rank and the FFN's ``host:port``; it logs one error line, sets
+      ``vllm:afd_group_up`` to 0 and starts the re-forming thread (``afd-regroup-<rank>``), which closes the
+      lost connector and runs the ``FormationLoop`` at the same address until a group forms (bound to the
+      link under its lock, logged, counted as ``vllm:afd_group_reformations``) or ``stop()``. It returns the
+      ``AfdGroupDown`` to raise. Later calls during the same outage change nothing.
+    - The idle ticker (``afd-idle-<rank>``; only under ``batched`` with several attention ranks per FFN rank,
+      and not where vLLM keeps data-parallel ranks in step): after ``IDLE_TICK_S`` without a step it runs a
+      zero-token step, so the FFN rank's batch never waits on an idle engine.
+    - ``status()``: what ``afd_group_status()`` reports through ``collective_rpc`` (the engine core and the
+      API server ask it): ``up``, ``error`` (the message of the last outage, kept after it ended), ``since``
+      (``time.time()`` when the last outage began), ``outages``, ``reformations``, ``address``.
 
-- ``lost(error)``: a step or an idle step raised ``error`` (a ``ConnectorError``:
-  the FFN closed, broke the connection or stayed silent for ``timeout_s``).
-  The first call of an outage unbinds the connector from the model's link
-  (between steps, under its lock), so every later exchange raises
-  ``AfdGroupDown`` at once, with a message naming AFD, this rank and the FFN's
-  ``host:port``; it logs one error line, sets ``vllm:afd_group_up`` to 0 and
-  starts the re-forming thread. It returns the ``AfdGroupDown`` to raise.
-  Later calls during the same outage change nothing.
-- The re-forming thread (``afd-regroup-<rank>``) closes the lost connector,
-  then builds a new one (``build_connector``) and waits in ``init`` for as long
-  as ``idle_wait_s`` for an FFN at the same ``host:port``; a handshake that
-  fails (a mismatched or foreign peer) is logged and tried again after
-  ``retry_pause``. Once one forms it is bound to the
-  link (under its lock), logged, and counted (``vllm:afd_group_reformations``).
-- ``status()``: what ``afd_group_status()`` reports through ``collective_rpc``
-  (the engine core and the API server ask it): ``up``, ``error`` (the message
-  of the last outage, kept after it ended), ``since`` (``time.time()`` when the
-  last outage began), ``outages``, ``reformations``, ``address``.
-- ``stop()``: cancels a re-formation in progress (closing a connector cancels
-  its ``init``) and closes the current connector. Idempotent.
-
-Limits: one connector per worker, as in the rest of the attention role. The
-engine itself decides what happens to requests (``afd_patches.patches.outage``):
-the worker only raises and reports.
+Limits: one connector per worker, as in the rest of the attention role. The engine itself decides what
+happens to requests (``afd_patches.patches.outage``): the worker only raises and reports. An exception that
+is not a connector's, raised by an idle step, stops the ticker (logged): the busy ranks then wait for this
+rank's real steps, and its FFN rank drops it after ``timeout_s`` as it drops any stalled rank.
 """
 
 from __future__ import annotations
@@ -51,89 +53,154 @@ from typing import TYPE_CHECKING, Any
 
 from afd_patches import LOGGER, metrics
 from afd_patches.connectors.base import ConnectorError
-from afd_patches.connectors.options import IDLE_TIMEOUT_S
 from afd_patches.models.link import AfdGroupDown, AfdLink
 
 if TYPE_CHECKING:
-    from afd_patches.config import AfdConfig
     from afd_patches.connectors.base import Connector
 
 logger = logging.getLogger(LOGGER)
 
-RETRY_S = 1.0  # pause after a formation that failed, doubled per failure in a row ...
+RETRY_S = 1.0  # pause after a formation attempt that failed, doubled per failure in a row ...
 RETRY_MAX_S = 10.0  # ... up to this (a right peer arriving then waits at most this long)
+IDLE_TICK_S = 0.02  # an idle attention rank's zero-token step interval (see AttentionGroup)
 
 
-def retry_pause(failures: int) -> float:
-    """Seconds to wait before the next formation after ``failures`` (at least 1) failed in a row."""
-    return min(RETRY_S * 2 ** (failures - 1), RETRY_MAX_S)
+def retry_pause(failures: int, cap_s: float = float("inf")) -> float:
+    """Seconds to wait before the next formation after ``failures`` (at least 1) failed in a row: ``RETRY_S``
+    doubled per failure, at most ``RETRY_MAX_S`` and at most ``cap_s``."""
+    return min(RETRY_S * 2 ** min(failures - 1, 32), RETRY_MAX_S, cap_s)
 
 
-def idle_wait_s(cfg: AfdConfig) -> float:
-    """How long one formation waits for its peers: ``connector_extra_config.idle_timeout_s``, default
-    ``IDLE_TIMEOUT_S``."""
-    return cfg.connector_extra_config.get("idle_timeout_s", IDLE_TIMEOUT_S)  # type: ignore[no-any-return]
+class FormationFailed(ConnectorError):
+    """The first group did not form before its deadline; the message names the last attempt's cause."""
 
 
-class GroupFormer:
-    """The FFN worker's formations, one group after another (see the module docstring)."""
-
-    def __init__(self, cfg: AfdConfig, stop: threading.Event) -> None:
-        self.cfg = cfg
-        self.stop = stop  # the worker's: set by shutdown()
-        self.groups = 0  # groups formed so far
-        self.failures = 0  # formations that failed in a row (their retries back off)
-
-    def form(self, conn: Connector) -> bool:
-        """Wait in ``conn.init`` for a group; True once formed, False after a failed formation and its pause.
-        A ``ConnectorError`` once the stop event is set propagates."""
-        cfg = self.cfg
-        logger.info("AFD FFN rank %d: waiting for %s group at %s:%s", cfg.rank, "a new" if self.groups else
-                    "its first", cfg.host, cfg.port)
-        metrics.set_group_up(False)
-        try:
-            conn.init(idle_wait_s(cfg))
-        except ConnectorError as e:
-            if self.stop.is_set():
-                raise
-            self.failures += 1
-            pause = retry_pause(self.failures)
-            logger.error("AFD FFN rank %d: a group did not form (%s); waiting for one again in %.0fs", cfg.rank, e,
-                         pause)
-            self.stop.wait(pause)  # a port held by another program fails at once: do not spin
-            return False
-        self.failures = 0
-        if self.groups:
-            metrics.METRICS.add("group_reformations")
-        self.groups += 1
-        metrics.set_group_up(True)
-        logger.info("AFD FFN rank %d: a group formed at %s:%s", cfg.rank, cfg.host, cfg.port)
-        return True
+def _close_quietly(conn: Connector) -> None:
+    try:
+        conn.close()
+    except Exception:  # a connector that failed half-way may fail to close too; nothing else holds it
+        logger.debug("AFD: closing a connector whose formation failed raised", exc_info=True)
 
 
-class GroupKeeper:
-    """The attention worker's connector, its loss and its replacement (see the module docstring)."""
+class FormationLoop:
+    """Forms groups for one rank, one attempt after another (see the module docstring)."""
 
-    def __init__(self, cfg: AfdConfig, build: Callable[[], Connector], link: AfdLink, connector: Connector,
-                 reform_wait_s: float) -> None:
-        self.cfg = cfg
+    def __init__(self, who: str, address: str, build: Callable[[], Connector], wait_s: float,
+                 stop: threading.Event, pause_cap_s: float = float("inf")) -> None:
+        self.who = who  # "AFD attention rank 0", for the log
+        self.address = address  # "host:port", for the log
         self.build = build  # a new, not yet initialised connector for the same group
+        self.wait_s = wait_s
+        self.stop = stop
+        self.pause_cap_s = pause_cap_s  # the group's timeout_s: a peer back after a fault waits at most this
+        self.failures = 0  # attempts that failed in a row (their retries back off)
+        self.attempts_failed = 0  # over the loop's life
+        self._causes: set[str] = set()  # causes logged at ERROR already
+        self._forming: Connector | None = None
+        self._lock = threading.Lock()
+
+    def form(self, deadline: float | None = None) -> Connector | None:
+        """A connector whose group formed; None once the stop event is set. With ``deadline``
+        (``time.monotonic()``) ``FormationFailed`` once the next attempt could not begin before it."""
+        conn: Connector | None = None
+        while not self.stop.is_set():
+            conn = None
+            try:
+                conn = self.build()
+                with self._lock:
+                    if self.stop.is_set():
+                        break
+                    self._forming = conn
+                wait_s = self.wait_s if deadline is None else max(0.0, min(self.wait_s, deadline - time.monotonic()))
+                conn.init(wait_s)
+            except Exception as e:  # one attempt only: see the module docstring
+                with self._lock:
+                    self._forming = None
+                if conn is not None:
+                    _close_quietly(conn)
+                if self.stop.is_set():
+                    return None
+                pause = self._failed(e)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise FormationFailed(f"{self.who}: no group formed at {self.address}: {e}") from e
+                self.stop.wait(pause)
+                continue
+            with self._lock:
+                self._forming = None
+                if self.stop.is_set():
+                    break
+            if self.failures:
+                logger.info("%s: a group formed at %s after %d failed attempt(s)", self.who, self.address,
+                            self.failures)
+            self.failures = 0
+            return conn
+        if conn is not None:
+            _close_quietly(conn)
+        return None
+
+    def _failed(self, error: Exception) -> float:
+        """Log (once per cause) and count a failed attempt; the pause before the next one."""
+        self.failures += 1
+        self.attempts_failed += 1
+        metrics.METRICS.add("group_formation_failures")
+        pause = retry_pause(self.failures, self.pause_cap_s)
+        cause = f"{type(error).__name__}: {error}"
+        if cause not in self._causes:
+            self._causes.add(cause)
+            logger.error("%s: a group did not form at %s (%s); trying again in %.0fs, and after every failure "
+                         "(this cause is logged once)", self.who, self.address, cause, pause)
+        else:
+            logger.debug("%s: a group did not form at %s (%s, failure %d in a row); trying again in %.0fs",
+                         self.who, self.address, cause, self.failures, pause)
+        return pause
+
+    def cancel(self) -> None:
+        """Close the connector whose ``init`` is in progress (set the stop event first)."""
+        with self._lock:
+            forming, self._forming = self._forming, None
+        if forming is not None:
+            _close_quietly(forming)
+
+
+class AttentionGroup:
+    """The attention worker's group: its formation, loss and replacement, and the idle ticker (see the module
+    docstring)."""
+
+    def __init__(self, rank: int, address: str, build: Callable[[], Connector], link: AfdLink, wait_s: float,
+                 timeout_s: float, tick: bool) -> None:
+        self.rank = rank
+        self.address = address
         self.link = link
-        self.address = f"{cfg.host}:{cfg.port}"
-        self.reform_wait_s = reform_wait_s
-        self.connector: Connector | None = connector
+        self.timeout_s = timeout_s  # bounds the first group (formed inside vLLM's load_model) and retry pauses
+        self.tick = tick
+        self.connector: Connector | None = None
         self.earlier = [0, 0]  # messages sent/received by the connectors of groups lost so far
         self.error: str | None = None
         self.since: float | None = None
         self.outages = 0
         self.reformations = 0
-        self._lost: Connector | None = None  # closed by the re-forming thread
-        self._forming: Connector | None = None
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._loop = FormationLoop(f"AFD attention rank {rank}", address, build, wait_s, self._stop, timeout_s)
+        self._lost: Connector | None = None  # closed by the re-forming thread
+        self._thread: threading.Thread | None = None
+        self._ticker: threading.Thread | None = None
         self._state = threading.Lock()
-        link.swap(connector)
+
+    def start(self) -> None:
+        """Form the first group (within ``timeout_s``; ``FormationFailed`` naming the cause otherwise), bind
+        it to the link, start the idle ticker if this rank needs one."""
+        t0 = time.monotonic()
+        conn = self._loop.form(deadline=t0 + self.timeout_s)
+        if conn is None:  # stopped while forming
+            return
+        with self._state:
+            self.connector = conn
+            self.link.swap(conn)
         metrics.set_group_up(True)
+        logger.info("AFD attention rank %d connected in %.1fs", self.rank, time.monotonic() - t0)
+        if self.tick:
+            self._ticker = threading.Thread(target=self._tick, name=f"afd-idle-{self.rank}", daemon=True)
+            self._ticker.start()
 
     def lost(self, error: ConnectorError) -> AfdGroupDown:
         """Record the loss of the group (once per outage); return the error the failed step raises."""
@@ -141,8 +208,8 @@ class GroupKeeper:
             return error  # already down before that step began
         with self._state:
             if self.connector is None or self._stop.is_set():
-                return AfdGroupDown(self.error or f"AFD attention rank {self.cfg.rank}: no group at {self.address}")
-            self.error = (f"AFD: attention rank {self.cfg.rank} lost its FFN role at {self.address} ({error}); "
+                return AfdGroupDown(self.error or f"AFD attention rank {self.rank}: no group at {self.address}")
+            self.error = (f"AFD: attention rank {self.rank} lost its FFN role at {self.address} ({error}); "
                           f"requests fail until an FFN serves {self.address} again and the group re-forms "
                           "(this engine re-forms it by itself)")
             self.since = time.time()
@@ -154,55 +221,49 @@ class GroupKeeper:
                 self.earlier[1] += old.messages_received
             metrics.set_group_up(False)
             logger.error("AFD attention rank %d: lost the FFN role at %s (%s); failing requests and re-forming "
-                         "the group in the background", self.cfg.rank, self.address, error)
-            self._thread = threading.Thread(target=self._reform, name=f"afd-regroup-{self.cfg.rank}", daemon=True)
+                         "the group in the background", self.rank, self.address, error)
+            self._thread = threading.Thread(target=self._reform, name=f"afd-regroup-{self.rank}", daemon=True)
             self._thread.start()
             return AfdGroupDown(self.error)
 
     def _reform(self) -> None:
-        """Close the lost connector, then form a new group at the same address until one forms or ``stop()``."""
+        """Close the lost connector, then run the formation loop at the same address until a group forms or
+        ``stop()``."""
         with self._state:
             lost, self._lost = self._lost, None
         if lost is not None:
-            lost.close()
+            _close_quietly(lost)
         t0 = time.monotonic()
-        logger.info("AFD attention rank %d: waiting for an FFN at %s to re-form the group", self.cfg.rank,
-                    self.address)
-        failures = 0
-        while not self._stop.is_set():
-            conn = self.build()
-            with self._state:
-                if self._stop.is_set():
-                    conn.close()
-                    return
-                self._forming = conn
-            try:
-                conn.init(self.reform_wait_s)
-            except ConnectorError as e:
-                conn.close()
-                if self._stop.is_set():
-                    return
-                failures += 1
-                pause = retry_pause(failures)
-                logger.error("AFD attention rank %d: the group at %s did not re-form (%s); trying again in %.0fs",
-                             self.cfg.rank, self.address, e, pause)
-                self._stop.wait(pause)
-                continue
-            finally:
-                with self._state:
-                    self._forming = None
-            with self._state:
-                if self._stop.is_set():
-                    conn.close()
-                    return
-                self.connector = conn
-                self.reformations += 1
-                self.link.swap(conn)
-            metrics.METRICS.add("group_reformations")
-            metrics.set_group_up(True)
-            logger.info("AFD attention rank %d: re-formed the group at %s %.1fs after losing it; serving again",
-                        self.cfg.rank, self.address, time.monotonic() - t0)
+        logger.info("AFD attention rank %d: waiting for an FFN at %s to re-form the group", self.rank, self.address)
+        conn = self._loop.form()
+        if conn is None:
             return
+        with self._state:
+            if self._stop.is_set():
+                _close_quietly(conn)
+                return
+            self.connector = conn
+            self.reformations += 1
+            self.link.swap(conn)
+        metrics.METRICS.add("group_reformations")
+        metrics.set_group_up(True)
+        logger.info("AFD attention rank %d: re-formed the group at %s %.1fs after losing it; serving again",
+                    self.rank, self.address, time.monotonic() - t0)
+
+    def _tick(self) -> None:
+        """Zero-token steps while this engine is idle, so the FFN rank's batch never waits forever."""
+        while not self._stop.wait(IDLE_TICK_S):
+            try:
+                self.link.try_idle_step(IDLE_TICK_S)
+            except ConnectorError as e:
+                if self._stop.is_set():
+                    return
+                self.lost(e)  # idle steps resume once the group has re-formed
+            except Exception:
+                if not self._stop.is_set():
+                    logger.exception("AFD attention rank %d: an idle step failed; stopping the idle ticker",
+                                     self.rank)
+                return
 
     def status(self) -> dict[str, Any]:
         """This rank's group as ``afd_group_status()`` reports it (JSON values)."""
@@ -219,20 +280,20 @@ class GroupKeeper:
         return sent + (conn.messages_sent if conn else 0), received + (conn.messages_received if conn else 0)
 
     def stop(self) -> None:
-        """Cancel a re-formation in progress and close the current connector (the FFN sees a clean close)."""
+        """Stop the ticker, cancel a formation in progress and close the current connector (the FFN sees a clean
+        close). Idempotent."""
         with self._state:
             self._stop.set()
-            forming, self._forming = self._forming, None
             conn, self.connector = self.connector, None
-        if forming is not None:
-            forming.close()
+        self._loop.cancel()
         if conn is not None:
             locked = self.link.lock.acquire(timeout=5.0)  # let a step in flight finish (it uses this connector)
             try:
                 self.link.connector, self.link.down = None, "AFD: this attention engine is shutting down"
-                conn.close()
+                _close_quietly(conn)
             finally:
                 if locked:
                     self.link.lock.release()
-        if self._thread is not None:
-            self._thread.join(5.0)
+        for thread in (self._thread, self._ticker):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(5.0)

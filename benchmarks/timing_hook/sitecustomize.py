@@ -26,7 +26,7 @@ _TARGETS = {
                                           ("TorchDistConnector", "recv_ffn_output"),
                                           ("TorchDistConnector", "recv_attn_output"),
                                           ("TorchDistConnector", "send_ffn_output")],
-    "afd_patches.workers.ffn": [(None, "_run_ffn")],
+    "afd_patches.workers.ffn_server": [(None, "run_ffn")],
     "afd_patches.models.causal_lm": [("AfdCausalLMMixin", "forward")],
 }
 

@@ -95,7 +95,6 @@ import signal
 import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -187,54 +186,39 @@ def _error(e: BaseException) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ the FFN process
 def ffn_main(port: int, opts: dict[str, Any], inbox: Any, outbox: Any) -> None:
-    """Build the connector as the FFN worker's ``load_model`` does, serve in a thread, obey ``inbox``.
+    """Serve as the FFN worker does (an ``FfnServer`` with the connector ``build_connector`` makes), obey ``inbox``.
 
-    The worker is ``FfnRoleMixin`` alone, given just the attributes its serve loop reads (no vLLM worker)."""
+    No vLLM worker: the server is given a stand-in MLP on the check's device."""
     device = setup("ffn", opts)
     from afd_patches.config import AfdConfig
-    from afd_patches.connectors.base import ConnectorError
     from afd_patches.workers.connection import build_connector
-    from afd_patches.workers.ffn import FfnRoleMixin
+    from afd_patches.workers.ffn_server import FfnServer
 
-    worker: Any = FfnRoleMixin.__new__(FfnRoleMixin)
-    worker._afd_stop = threading.Event()
-    worker._afd_wait_lock = threading.Lock()
-    worker._afd_waiters = 0
-    worker._afd_earlier = [0, 0]
-    worker._afd_group_ended = threading.Event()
-    worker._afd_identity = identity(opts)
-    worker.device = device
     cfg: AfdConfig = make_config("ffn", port, opts)
-    worker._afd_cfg = cfg
-    model = Mlp(opts["hidden"], device, getattr(torch, opts["dtype"]))
-    worker._afd_model = lambda: model
-    try:
-        worker._afd_connector = build_connector(cfg, worker._afd_identity)
-    except ConnectorError as e:
-        outbox.put(("ffn", {"stage": "build", **_error(e)}))
-        return
-    thread = threading.Thread(target=worker._afd_serve, name="afd-ffn-0", daemon=True)
-    thread.start()
+    ident = identity(opts)
+    dtype = getattr(torch, opts["dtype"])
+    model = Mlp(opts["hidden"], device, dtype)
+    server = FfnServer(cfg.rank, f"{cfg.host}:{cfg.port}", lambda: build_connector(cfg, ident), cfg.timeout_s,
+                       cfg.timeout_s, model, (device, dtype), None, None)
+    server.start()
     while True:
         try:
             command = inbox.get(timeout=0.5)
         except queue.Empty:
             command = None
         if command == "count":  # messages served so far (the ``microbatch`` call's exchange count)
-            outbox.put(("ffn-count", {"batches": worker._afd_batches}))
+            outbox.put(("ffn-count", {"batches": server.batches}))
         if command == "close":
             t0 = time.monotonic()
-            worker._afd_stop.set()
-            worker._afd_connector.close()
-            close_s = time.monotonic() - t0
-            thread.join(30)
-            outbox.put(("ffn-closed", {"close_s": close_s, "thread_s": time.monotonic() - t0,
-                                       "thread_alive": thread.is_alive()}))
+            server.stop()  # cancels the blocked receive, then joins the serve thread
+            stop_s = time.monotonic() - t0
+            outbox.put(("ffn-closed", {"close_s": stop_s, "thread_s": stop_s, "thread_alive": server.alive}))
             return
-        if not thread.is_alive():
-            err = worker._afd_error
-            outbox.put(("ffn", {"at": time.monotonic(), "batches": worker._afd_batches,
+        if server.group_ended.is_set():
+            err = server.error or server.group_error
+            outbox.put(("ffn", {"at": time.monotonic(), "batches": server.batches,
                                 **(_error(err) if err else {"error": None})}))
+            server.stop()
             return
 
 

@@ -769,7 +769,7 @@ def test_close_from_another_thread_while_serve_loop_blocked_returns_in_bound() -
 def test_run_ffn_calls_the_ffn_once_on_the_busy_rows_only() -> None:
     """The FFN role's per-message work: empty inputs (idle ranks, other ranks in pingpong) are answered
     with themselves and never reach the FFN; one busy input goes in without a copy; several in one call."""
-    from afd_patches.workers.ffn import _run_ffn
+    from afd_patches.workers.ffn_server import run_ffn
 
     class Model:
         def __init__(self) -> None:
@@ -782,10 +782,10 @@ def test_run_ffn_calls_the_ffn_once_on_the_busy_rows_only() -> None:
     empty, a, b = torch.empty(0, HIDDEN), attn_input(0, 1, 0, 3), attn_input(1, 1, 0, 2)
     cpu_f32 = (torch.device("cpu"), torch.float32)  # already there: nothing is copied
     model = Model()
-    assert _run_ffn(model, 1, [empty, empty], *cpu_f32) == [empty, empty] and model.calls == []
-    out = _run_ffn(model, 1, [empty, a], *cpu_f32)
+    assert run_ffn(model, 1, [empty, empty], *cpu_f32) == [empty, empty] and model.calls == []
+    out = run_ffn(model, 1, [empty, a], *cpu_f32)
     assert out[0] is empty and torch.equal(out[1], ffn(a)) and model.calls[0][1] is a
-    out = _run_ffn(model, 1, [a, empty, b], *cpu_f32)
+    out = run_ffn(model, 1, [a, empty, b], *cpu_f32)
     assert len(model.calls) == 2 and model.calls[1][1].shape == (5, HIDDEN)
     assert torch.equal(out[0], ffn(a)) and out[1] is empty and torch.equal(out[2], ffn(b))
 

@@ -19,6 +19,7 @@ from afd_patches.connectors.torch_dist import TorchDistConnector
 from afd_patches.connectors.torch_group import TorchGroupTransport
 from afd_patches.connectors.transport import BackendError
 from afd_patches.workers.ffn import FfnRoleMixin
+from afd_patches.workers.ffn_server import FfnServer
 
 
 def _port() -> int:
@@ -166,20 +167,24 @@ class _Model(torch.nn.Module):
 
 
 class _OneStep:
-    """A connector stand-in: one float32 CPU step from one attention rank, then the group ends."""
+    """A connector stand-in: one float32 CPU step from one attention rank, then the group ends; a second
+    formation waits until ``close()`` (the server's stop)."""
 
     def __init__(self) -> None:
         self.steps = [(Meta(0, 0, (3, 4), "float32"), [torch.ones(3, 4)])]
         self.sent: list[torch.Tensor] = []
-        self.ended = threading.Event()
+        self.formed = 0
+        self.closed = threading.Event()
         self.messages_sent = self.messages_received = 0
 
     def init(self, *_: Any) -> None:
-        pass
+        self.formed += 1
+        if self.formed > 1:
+            self.closed.wait(10)
+            raise ConnectorClosed("closed while forming")
 
     def recv_attn_output(self) -> tuple[Meta, list[torch.Tensor]]:
         if not self.steps:
-            self.ended.set()
             raise ConnectorClosed("every served attention rank closed")
         return self.steps.pop()
 
@@ -187,33 +192,27 @@ class _OneStep:
         self.sent.extend(outputs)
 
     def close(self) -> None:
-        pass
+        self.closed.set()
 
 
-def _serve_once(model: _Model, dtype: str, device: str = "cpu", **patches: Any) -> tuple[FfnRoleMixin, _OneStep]:
+def _serve_once(model: _Model, dtype: str, device: str = "cpu") -> tuple[FfnServer, _OneStep]:
+    """One group served by an ``FfnServer`` placed as the FFN worker places it (``_afd_placement``)."""
     worker = FfnRoleMixin.__new__(FfnRoleMixin)
-    worker._afd_stop = threading.Event()
-    worker._afd_wait_lock = threading.Lock()
-    worker._afd_waiters = 1  # as if afd_wait() waited: an error is left to it, nothing is signalled
-    worker._afd_identity = {"dtype": dtype}
-    worker._afd_group_ended = threading.Event()
     worker.device = torch.device(device)
     conn = _OneStep()
-    conn.ended = worker._afd_stop  # one group is enough here: the loop then stops
-    worker._afd_connector = conn
-    worker._afd_model = lambda: model  # type: ignore[method-assign]
-    worker._afd_cfg = AfdConfig(role="ffn")
-    thread = threading.Thread(target=worker._afd_serve)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive()
-    return worker, conn
+    server = FfnServer(0, "127.0.0.1:1", lambda: conn, 1.0, 1.0, model, worker._afd_placement(model, {"dtype": dtype}),
+                       None, None)
+    server.start()
+    assert server.group_ended.wait(10)
+    server.stop()
+    assert not server.alive
+    return server, conn
 
 
 def test_serve_loop_moves_inputs_to_the_models_device_and_dtype() -> None:
     model = _Model("meta")
-    worker, conn = _serve_once(model, "bfloat16")
-    assert worker._afd_error is None, worker._afd_error
+    server, conn = _serve_once(model, "bfloat16")
+    assert server.error is None, server.error
     assert model.seen == [(torch.device("meta"), torch.bfloat16)]
     assert len(conn.sent) == 1 and conn.sent[0].dtype == torch.bfloat16
 
