@@ -22,6 +22,23 @@ Export
     else is skipped. While nothing changes the writer blocks (no periodic
     wake-up on an idle engine).
 
+Failures (best-effort, like tracing)
+    A snapshot the writer cannot write (any exception: ``ENOSPC``, ``EFBIG``,
+    the directory gone) is logged once per cause, counted in
+    ``vllm:afd_metrics_write_failures``, and retried after a backoff that
+    doubles from ``WRITE_INTERVAL_S`` up to ``MAX_BACKOFF_S``, whether or not
+    the counters change meanwhile; the thread lives as long as the process.
+    Before retrying, the writer renames its last snapshot to
+    ``<name>.stale`` (a rename needs no free blocks; if it fails, the file is
+    removed), so the value it could not replace is never read as current:
+    the collector shows a stale snapshot's counters (its last values, lower
+    bounds of the true ones) but none of its gauges (no
+    ``vllm:afd_group_up`` from a file that may say 1 of a group that is
+    down), and ``vllm:afd_metrics_stale`` is 1 for that rank. The first
+    snapshot written again replaces the mark (a fresh file wins over a stale
+    one of the same name) and one line is logged. ``FailureLog`` is that
+    logging and counting; ``afd_patches.trace`` uses it too.
+
 Metrics (labels ``role``, ``rank``)
     ``vllm:afd_exchanges`` (attention: layer exchanges answered; FFN: batched
     layer calls served), ``vllm:afd_exchange_latency_seconds`` (histogram;
@@ -38,12 +55,20 @@ Metrics (labels ``role``, ``rank``)
     ``vllm:afd_group_up`` (``set_group_up``): 1 while this rank's group is formed,
     0 while it waits for one (attention: from the loss of its FFN until the group
     re-forms; FFN: while it waits for a group, the first one included); a value
-    other than 0 or 1 in a snapshot is skipped.
+    other than 0 or 1 in a snapshot is skipped. ``vllm:afd_metrics_stale``:
+    0 while the rank's snapshot is current, 1 while its writer cannot write
+    (see Failures). Best-effort diagnostics count their own failures:
+    ``vllm:afd_trace_write_failures`` (``afd_patches.trace``) and
+    ``vllm:afd_metrics_write_failures``.
 
 Limits
     Offline engines (``LLM(...)``) export nothing; their counters are in
     ``afd_stats()``. Values appear on ``/metrics`` up to ``WRITE_INTERVAL_S``
-    late.
+    late. A rank whose very first snapshot fails is absent from
+    ``/metrics`` (there is nothing to mark stale) until a write succeeds; a
+    stale mark that can be neither made nor the old file removed (a file
+    system gone read-only) leaves the old snapshot readable, and says so in
+    the log once. A worker that dies leaves its snapshot as it was.
 """
 
 from __future__ import annotations
@@ -51,6 +76,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -68,6 +94,8 @@ logger = logging.getLogger(LOGGER)
 
 METRICS_DIR_ENV = "AFD_METRICS_DIR"
 WRITE_INTERVAL_S = 0.5
+MAX_BACKOFF_S = 10.0  # the longest wait between two tries of a snapshot that could not be written
+STALE_SUFFIX = ".stale"  # appended to a snapshot's name by its writer when a write fails
 MAX_SNAPSHOT_BYTES = 64 * 1024
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 COUNTERS = {
@@ -87,8 +115,15 @@ COUNTERS = {
                              "FFN's answer (FFN compute, transfer, and whatever ran meanwhile).",
     "exchange_wait_seconds": "Attention role: the part of exchange_span_seconds spent blocked waiting for the "
                              "answer (not hidden behind another micro-batch's attention).",
+    "trace_write_failures": "Trace events not written because the write failed (AFD_TRACE_DIR on a full disk, "
+                            "a file-size limit); each later event tries again.",
+    "metrics_write_failures": "Metrics snapshots this process failed to write; retried with backoff, and "
+                              "vllm:afd_metrics_stale is 1 meanwhile.",
 }
 HIDDEN = "ffn_hidden_fraction"
+STALE = "metrics_stale"
+STALE_DOC = ("1 while this AFD rank's metrics writer cannot write (its counters are the last it wrote, its gauges are "
+             "left out), 0 while its snapshot is current.")
 HIDDEN_DOC = ("Attention role: 1 - exchange_wait_seconds / exchange_span_seconds, the fraction of the exchange "
               "round trips (FFN compute and transfer) that overlapped attention compute of another micro-batch.")
 
@@ -137,6 +172,35 @@ def set_group_up(up: bool) -> None:
     METRICS.changed.set()
 
 
+class FailureLog:
+    """The failures of one best-effort writer (a trace file, the metrics snapshots). Each failure is counted in
+    ``METRICS`` under ``counter``; the first of each cause (exception type and errno) is logged as a warning,
+    once per process, and the first success after a logged failure as one info line. Not thread-safe: one
+    writer thread, or a lock around it."""
+
+    def __init__(self, who: str, write: str, counter: str, then: str) -> None:
+        self.who, self.write, self.counter, self.then = who, write, counter, then
+        self._seen: set[tuple[str, int | None]] = set()
+        self._announced = False
+
+    def failed(self, error: BaseException) -> None:
+        METRICS.add(self.counter)
+        code = getattr(error, "errno", None)
+        cause = (type(error).__name__, code if isinstance(code, int) else None)
+        if cause in self._seen:
+            return
+        self._seen.add(cause)
+        self._announced = True
+        name = errno.errorcode.get(code, "") if isinstance(code, int) else ""
+        logger.warning("%s: %s failed (%s: %s); %s (counted in vllm:afd_%s; logged once per cause)", self.who,
+                       self.write, name or type(error).__name__, error, self.then, self.counter)
+
+    def succeeded(self) -> None:
+        if self._announced:
+            self._announced = False
+            logger.info("%s: writing again", self.who)
+
+
 # ------------------------------------------------------------------ worker side
 def start_writer(role: str, rank: int) -> bool:
     """Write ``METRICS`` snapshots for the API server, if one asked for them; True when started."""
@@ -159,24 +223,89 @@ def start_writer(role: str, rank: int) -> bool:
 def _write_loop(path: str, role: str, rank: int) -> None:
     """Write a snapshot at most every ``WRITE_INTERVAL_S`` while the counters change; block while they do not
     (an idle engine costs this thread no wake-up). A change after ``clear()`` sets the event again, so the last
-    change is always written."""
-    last: dict[str, Any] | None = None
+    change is always written. After a failed write, try again after a bounded backoff, changes or not."""
+    snapshots = _SnapshotFile(path, role, rank)
+    backoff = 0.0
     while True:
-        METRICS.changed.wait()
-        time.sleep(WRITE_INTERVAL_S)
+        if backoff:
+            time.sleep(backoff)
+        else:
+            METRICS.changed.wait()
+            time.sleep(WRITE_INTERVAL_S)
         METRICS.changed.clear()
-        snap = METRICS.snapshot()
-        if snap == last:
-            continue
-        snap.update(role=role, rank=rank)
+        backoff = 0.0 if snapshots.write() else min(max(2 * backoff, WRITE_INTERVAL_S), MAX_BACKOFF_S)
+
+
+class _SnapshotFile:
+    """This process's snapshot at ``path``: replaced atomically, and renamed to ``path + STALE_SUFFIX`` when a
+    write fails."""
+
+    def __init__(self, path: str, role: str, rank: int) -> None:
+        self.path, self.stale_path, self.role, self.rank = path, path + STALE_SUFFIX, role, rank
+        self.last: dict[str, Any] | None = None  # what ``path`` holds now (None: write the next snapshot)
+        self.marked = False  # ``stale_path`` may exist
+        self.cannot_mark_logged = False
+        self.failures = FailureLog("AFD metrics", "a snapshot write", "metrics_write_failures",
+                                   "/metrics shows this rank as stale (vllm:afd_metrics_stale 1, no gauges) "
+                                   "and the writer tries again")
+
+    def write(self) -> bool:
+        """Write the current snapshot unless ``path`` holds it already; True when done. Never raises."""
         try:
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-            with os.fdopen(fd, "w") as fh:
-                json.dump(snap, fh)
-            os.replace(tmp, path)
+            snap = METRICS.snapshot()
+            if snap != self.last:
+                self._replace(snap)
+                self.last = snap
+            if self.marked:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.stale_path)
+                self.marked = False
+        except Exception as e:  # noqa: BLE001 - best-effort diagnostics: the writer outlives any one failure
+            self._mark_stale()
+            self.failures.failed(e)
+            return False
+        self.failures.succeeded()
+        return True
+
+    def _replace(self, snap: dict[str, Any]) -> None:
+        data = memoryview(json.dumps({**snap, "role": self.role, "rank": self.rank}).encode())
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".tmp-")
+        try:
+            try:
+                while data:
+                    written = os.write(fd, data)
+                    if written <= 0:  # a regular file says why instead; never spin here
+                        raise OSError(errno.EIO, "the snapshot file took no bytes")
+                    data = data[written:]
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _mark_stale(self) -> None:
+        """Keep the collector from reading the last snapshot as current: rename it (no free blocks needed),
+        else remove it."""
+        self.last = None
+        try:
+            os.replace(self.path, self.stale_path)
+            self.marked = True
+            return
+        except FileNotFoundError:
+            return  # nothing written yet, or marked already
         except OSError:
-            return  # the API server is gone and took its directory along
-        last = {k: v for k, v in snap.items() if k not in ("role", "rank")}
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if not self.cannot_mark_logged:
+                self.cannot_mark_logged = True
+                logger.warning("AFD metrics: cannot mark the last snapshot stale nor remove it (%r); /metrics shows "
+                               "its values until a write succeeds", e)
 
 
 # ------------------------------------------------------------------ front end
@@ -197,6 +326,24 @@ def _remove_if_mine(directory: str, owner_pid: int) -> None:
     handler, and must not remove it under a running API server)."""
     if os.getpid() == owner_pid:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _snapshot_files(directory: str) -> list[tuple[str, bool]]:
+    """The snapshot files of ``directory``, each with whether it is marked stale; a stale mark whose fresh
+    snapshot is there too is left out (the writer wrote again and removes the mark next)."""
+    try:
+        names = set(os.listdir(directory))
+    except OSError:
+        return []
+    files = []
+    for name in sorted(names):
+        if not name.startswith("afd-"):
+            continue
+        if name.endswith(".json"):
+            files.append((os.path.join(directory, name), False))
+        elif name.endswith(".json" + STALE_SUFFIX) and name.removesuffix(STALE_SUFFIX) not in names:
+            files.append((os.path.join(directory, name), True))
+    return files
 
 
 def _read_snapshot(path: str) -> dict[str, Any] | None:
@@ -235,13 +382,14 @@ class SnapshotCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        snaps = []
-        with contextlib.suppress(OSError):
-            for name in sorted(os.listdir(self.directory)):
-                if name.startswith("afd-") and name.endswith(".json"):
-                    snap = _read_snapshot(os.path.join(self.directory, name))
-                    if snap is not None:
-                        snaps.append(snap)
+        snaps, current = [], []  # every readable snapshot; those not marked stale
+        for path, stale in _snapshot_files(self.directory):
+            snap = _read_snapshot(path)
+            if snap is not None:
+                snap["stale"] = stale
+                snaps.append(snap)
+                if not stale:
+                    current.append(snap)
         labels = ["role", "rank"]
         for key, doc in COUNTERS.items():
             family = CounterMetricFamily(f"vllm:afd_{key}", doc, labels=labels)
@@ -257,14 +405,18 @@ class SnapshotCollector:
                 cumulative.append((bound, running))
             hist.add_metric([str(snap.get("role")), str(snap.get("rank"))], cumulative, snap["latency_sum"])
         yield hist
-        gauge = GaugeMetricFamily(f"vllm:afd_{GROUP_UP}", GROUP_UP_DOC, labels=labels)
+        stale = GaugeMetricFamily(f"vllm:afd_{STALE}", STALE_DOC, labels=labels)
         for snap in snaps:
+            stale.add_metric([str(snap.get("role")), str(snap.get("rank"))], int(snap["stale"]))
+        yield stale
+        gauge = GaugeMetricFamily(f"vllm:afd_{GROUP_UP}", GROUP_UP_DOC, labels=labels)
+        for snap in current:
             value = snap["counts"].get(GROUP_UP)
             if value in (0, 1) and not isinstance(value, bool):
                 gauge.add_metric([str(snap.get("role")), str(snap.get("rank"))], value)
         yield gauge
         hidden = GaugeMetricFamily(f"vllm:afd_{HIDDEN}", HIDDEN_DOC, labels=labels)
-        for snap in snaps:
+        for snap in current:
             span, wait = snap["counts"].get("exchange_span_seconds", 0), snap["counts"].get("exchange_wait_seconds", 0)
             if snap.get("role") == "attention" and span > 0:
                 hidden.add_metric([str(snap.get("role")), str(snap.get("rank"))], max(0.0, 1.0 - wait / span))

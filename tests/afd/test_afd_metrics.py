@@ -94,3 +94,27 @@ def test_the_front_ends_metrics_directory_is_removed_when_it_exits() -> None:
                          check=True).stdout.split()
     assert len(out) == 2 and out[1] == "True", out
     assert os.path.basename(out[0]).startswith("afd-metrics-") and not os.path.exists(out[0]), out
+
+
+def test_a_stale_snapshot_shows_its_counters_but_no_gauge(tmp_path: Path) -> None:
+    """A snapshot its writer marked stale (``<name>.stale``: its last write failed) keeps its counters, loses its
+    gauges, and says so in ``vllm:afd_metrics_stale``; a fresh snapshot of the same name wins over a stale one."""
+    base = {"buckets": [0] * (len(metrics.LATENCY_BUCKETS) + 1), "latency_sum": 0.0}
+    up = {"exchanges": 5, metrics.GROUP_UP: 1, "exchange_span_seconds": 2.0, "exchange_wait_seconds": 1.0}
+    (tmp_path / "afd-attention-0-7.json.stale").write_text(json.dumps(
+        {**base, "counts": up, "role": "attention", "rank": 0}))
+    (tmp_path / "afd-ffn-0-8.json").write_text(json.dumps({**base, "counts": {"exchanges": 4, metrics.GROUP_UP: 1},
+                                                           "role": "ffn", "rank": 0}))
+    (tmp_path / "afd-ffn-0-8.json.stale").write_text(json.dumps({**base, "counts": {"exchanges": 2,
+                                                                                   metrics.GROUP_UP: 0},
+                                                                 "role": "ffn", "rank": 0}))
+    text = _exposition(tmp_path)
+    lines = {line for line in text.splitlines() if line.startswith("vllm:afd_")}
+    assert {'vllm:afd_exchanges_total{rank="0",role="attention"} 5.0',
+            'vllm:afd_exchanges_total{rank="0",role="ffn"} 4.0',
+            'vllm:afd_group_up{rank="0",role="ffn"} 1.0',
+            'vllm:afd_metrics_stale{rank="0",role="attention"} 1.0',
+            'vllm:afd_metrics_stale{rank="0",role="ffn"} 0.0'} <= lines, text
+    assert not [line for line in lines if 'role="attention"' in line and (
+        line.startswith(("vllm:afd_group_up", "vllm:afd_ffn_hidden_fraction")))], text
+    assert 'vllm:afd_exchanges_total{rank="0",role="ffn"} 2.0' not in lines, text
