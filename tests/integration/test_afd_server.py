@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -186,6 +187,7 @@ class Pair:
     ffn_log: Path
     attn_log: Path
     healthy_s: tuple[float, float]  # FFN, attention: seconds from start to healthy
+    token_file: Path  # the group's shared secret (mode 0600)
 
     @property
     def address(self) -> str:
@@ -209,9 +211,13 @@ def pair(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     takes. The attention server stops on SIGTERM with ``--shutdown-timeout 10``, time to close the group cleanly
     (vLLM's default, 0, kills the worker at once)."""
     folder = tmp_path_factory.mktemp("afd-server-pair")
+    token_file = folder / "afd-token"
+    token_file.write_text(secrets.token_hex(32))
+    token_file.chmod(0o600)
     afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
     arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
-    common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", str(OUTAGE_TIMEOUT_S)]
+    common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", str(OUTAGE_TIMEOUT_S),
+              "--afd-token-file", str(token_file)]
     ffn_args = _server_args(model_dir, ffn_port, *arch, "--afd-role", "ffn", *common, "--additional-config",
                             json.dumps({"afd": {"connector_extra_config": {"idle_timeout_s": 900}}}))
     attn_args = _server_args(model_dir, attn_port, *arch, "--afd-role", "attention", *common,
@@ -223,7 +229,7 @@ def pair(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         attn = _start(procs, attn_args, attn_log)
         attn_s = _wait_healthy(attn, attn_port, attn_log, START_TIMEOUT_S)
         yield Pair(procs, folder, afd_port, ffn_port, attn_port, ffn_args, attn_args, ffn, attn, ffn_log, attn_log,
-                   (ffn_s, attn_s))
+                   (ffn_s, attn_s), token_file)
 
 
 def test_afd_pair_behind_openai_server_matches_plain_vllm(pair: Pair, model_dir: Path, plain_generation: Any) -> None:
@@ -331,9 +337,12 @@ def _wait_gauge(port: int, value: float, timeout_s: float = 10.0) -> None:
 
 def test_attention_server_outlives_ffn_restart(pair: Pair, model_dir: Path) -> None:
     """SIGKILL the FFN server under streamed traffic: the in-flight requests end within ``timeout_s`` with an error
-    naming AFD and the FFN's host:port, /health is unhealthy, a new request fails fast with that error. Restart the
-    FFN server on the same ports: the same attention server re-forms the group by itself and gives the same greedy
-    tokens. Then stop the attention server cleanly and start another: the FFN server serves the new one."""
+    naming AFD and the FFN's host:port, /health is unhealthy, a new request fails fast with that error. While the FFN
+    is down the group's token file is mode 0644 for a moment (a careless rotation): the attention side's attempts to
+    re-form fail on it, logged once. Restart the FFN server on the same ports once the file is private again: the
+    same attention server re-forms the group by itself within 2 x ``timeout_s`` and gives the same greedy tokens
+    (issue 51, finding 1: the first failed attempt used to kill the re-forming thread, and the engine never served
+    again). Then stop the attention server cleanly and start another: the FFN server serves the new one."""
     import threading
 
     attn_port, address, first_ffn_log = pair.attn_port, pair.address, pair.ffn_log
@@ -348,6 +357,7 @@ def test_attention_server_outlives_ffn_restart(pair: Pair, model_dir: Path) -> N
     while not all("first" in r for r in results):
         assert time.monotonic() < deadline and not any("end" in r for r in results), results
         time.sleep(0.02)
+    pair.token_file.chmod(0o644)  # a careless rotation: every re-formation attempt from here on fails on it
     os.killpg(pair.ffn.pid, signal.SIGKILL)
     killed = time.monotonic()
     pair.ffn.wait(30)
@@ -369,6 +379,16 @@ def test_attention_server_outlives_ffn_restart(pair: Pair, model_dir: Path) -> N
     _wait_gauge(attn_port, 0.0)
     assert pair.attn.poll() is None, tail(pair.attn_log)
 
+    try:
+        deadline = time.monotonic() + 30
+        while "a group did not form at" not in (log := tail(pair.attn_log, 50000)):
+            assert time.monotonic() < deadline, f"no failed re-formation attempt logged:\n{log[-3000:]}"
+            time.sleep(0.2)
+        time.sleep(OUTAGE_TIMEOUT_S)  # attempts go on failing meanwhile; their pause reaches timeout_s
+    finally:
+        pair.token_file.chmod(0o600)
+    assert pair.attn.poll() is None and "Exception in thread" not in tail(pair.attn_log, 50000)
+
     restarted = time.monotonic()
     pair.start_ffn("ffn-2.log")
     ffn_up = time.monotonic()
@@ -381,6 +401,9 @@ def test_attention_server_outlives_ffn_restart(pair: Pair, model_dir: Path) -> N
             time.sleep(0.1)
     recovered = time.monotonic()
     assert pair.attn.poll() is None and after == before, (before, after)
+    assert recovered - ffn_up <= 2 * OUTAGE_TIMEOUT_S, f"first exact answer {recovered - ffn_up:.1f}s after the FFN"
+    failures = [line for line in tail(pair.attn_log, 200000).splitlines() if "a group did not form at" in line]
+    assert len(failures) == 1 and "0644" in failures[0], failures  # logged once however many attempts failed
     with urllib.request.urlopen(f"http://{HOST}:{attn_port}/health", timeout=10) as r:
         assert r.status == 200
     group = _afd_stats(attn_port)["group"]
