@@ -37,7 +37,6 @@ from typing import Any
 
 from afd_patches import LOGGER, metrics, trace
 from afd_patches.connectors.base import ConnectorError
-from afd_patches.connectors.options import Options
 from afd_patches.models.causal_lm import afd_config_of
 from afd_patches.patches import data_parallel, micro_batches
 from afd_patches.workers import tp_group
@@ -59,7 +58,7 @@ class AttentionRoleMixin(RoleBase):
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         cfg = data_parallel.attention_config(self.vllm_config, afd_config_of(self.vllm_config))
-        opts = Options.parse(cfg.connector_extra_config)
+        opts = cfg.link
         self._afd_micro = (opts.micro_batches, opts.micro_batch_min_tokens)
         tp = tp_group.TpChannel.of_worker()
         if tp is not None and opts.micro_batches > 1:
@@ -92,7 +91,7 @@ class AttentionRoleMixin(RoleBase):
         connector.init()
         logger.info("AFD attention rank %d connected in %.1fs", cfg.rank, time.monotonic() - t0)
         model.afd_bind(connector)
-        if cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched":
+        if cfg.num_attention_ranks > cfg.num_ffn_ranks and opts.schedule == "batched":
             model.afd_link().pad_micro_batches = opts.micro_batches  # its FFN rank batches ranks by micro-batch
         if opts.micro_batches > 1:
             logger.info("AFD attention rank %d: steps of at least %d tokens run as %d micro-batches", cfg.rank,
@@ -100,7 +99,7 @@ class AttentionRoleMixin(RoleBase):
         self._afd_keeper = GroupKeeper(cfg, lambda: build_connector(cfg, identity), model.afd_link(), connector,
                                        idle_wait_s(cfg))
         self._afd_ticker_stop = threading.Event()
-        if (cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched"
+        if (cfg.num_attention_ranks > cfg.num_ffn_ranks and opts.schedule == "batched"
                 and not data_parallel.vllm_keeps_lockstep(self.vllm_config)):
             threading.Thread(target=self._afd_tick, args=(model.afd_link(),), name=f"afd-idle-{cfg.rank}",
                              daemon=True).start()

@@ -1,7 +1,7 @@
 """An AFD group's lifecycle on each side, with one retry policy and one idle wait for both.
 
 Both sides form every group the same way: one formation (the connector's ``init``) waits for the peers for as
-long as ``idle_wait_s`` (``connector_extra_config.idle_timeout_s``, default the connector's ``IDLE_TIMEOUT_S``,
+long as ``idle_wait_s`` (``connector_extra_config.idle_timeout_s``, default ``afd_patches.config.IDLE_TIMEOUT_S``,
 a week: a group, the first one too, may take as long as a deploy takes); one that fails (a mismatched or
 foreign peer, the wait running out, the port held by another program) is logged and tried again after
 ``retry_pause``: ``RETRY_S``, doubled per failure in a row, at most ``RETRY_MAX_S``.
@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 
 from afd_patches import LOGGER, metrics
 from afd_patches.connectors.base import ConnectorError
-from afd_patches.connectors.options import IDLE_TIMEOUT_S
 from afd_patches.models.link import AfdGroupDown, AfdLink
 
 if TYPE_CHECKING:
@@ -70,9 +69,8 @@ def retry_pause(failures: int) -> float:
 
 
 def idle_wait_s(cfg: AfdConfig) -> float:
-    """How long one formation waits for its peers: ``connector_extra_config.idle_timeout_s``, default
-    ``IDLE_TIMEOUT_S``."""
-    return cfg.connector_extra_config.get("idle_timeout_s", IDLE_TIMEOUT_S)  # type: ignore[no-any-return]
+    """How long one formation waits for its peers: ``connector_extra_config.idle_timeout_s``."""
+    return cfg.link.idle_timeout_s
 
 
 class GroupFormer:

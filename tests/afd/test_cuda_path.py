@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from afd_patches.config import AfdConfig
+from afd_patches.config import AfdConfig, LinkConfig
 from afd_patches.connectors import options, torch_group
 from afd_patches.connectors.base import ConnectorClosed, ConnectorError, ConnectorMismatch, ConnectorTimeout, Meta
 from afd_patches.connectors.torch_dist import TorchDistConnector
@@ -29,7 +29,7 @@ def _port() -> int:
 
 def _config(role: str, port: int, backend: str = "nccl", **extra: Any) -> AfdConfig:
     return AfdConfig(role=role, port=port, timeout_s=5.0,
-                     connector_extra_config={"backend": backend, "device": "cpu", **extra})
+                     connector_extra_config=LinkConfig(backend=backend, device="cpu", **extra))
 
 
 def _init_both(port: int, backend: str = "nccl", **extra: Any) -> dict[str, ConnectorError | None]:
