@@ -321,7 +321,8 @@ def _value(spec: _Field, value: Any, path: tuple[str, ...]) -> Any:
         raise _fail(path, f"{value!r} is greater than the maximum of " + (
             f"{top:.0f} seconds ({top / 86400:g} days)" if kind is float else f"{top}"))
     if "minLength" in bounds and len(value) < bounds["minLength"]:
-        raise _fail(path, f"{value!r} is shorter than {bounds['minLength']} character(s)")
+        raise _fail(path, f"{value!r} should be non-empty" if bounds["minLength"] == 1 else
+                    f"{value!r} is shorter than {bounds['minLength']} characters")
     if spec.codec:
         try:
             return spec.codec[0](value)
