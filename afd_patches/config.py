@@ -294,7 +294,7 @@ def _value(spec: _Field, value: Any, path: tuple[str, ...]) -> Any:
     if is_dataclass(spec.kind):
         return _build(spec.kind, value, path)  # type: ignore[arg-type]
     if spec.choices is not None:
-        if value not in spec.choices or not isinstance(value, str):
+        if not isinstance(value, str) or value not in spec.choices:
             raise _fail(path, f"{value!r} is not one of {list(spec.choices)}")
         return value
     kind = str if spec.codec else spec.kind

@@ -1,7 +1,6 @@
 """``torch_dist``: the AFD connector, composed of its layers.
 
 Layers (each its own module)
-    ``options``     ``connector_extra_config`` (``config.link``, checked where the config was parsed or restored).
     ``session``     the one authenticated protocol of rendezvous and data links (admission, proofs, MAC'd
                     messages); ``rendezvous`` forms the group on top of it (compare, verdict, group id).
     ``transport``   the interface and typed errors; ``tcp`` (sockets, CPU default) and ``torch_group``
