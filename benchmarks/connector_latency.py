@@ -39,10 +39,10 @@ def _use(src: str | None) -> None:
 
 def _config(role: str, port: int, inline_bytes: int) -> Any:
     """``inline_bytes < 0`` selects ``backend: tcp`` (which has no inline payloads), else gloo."""
-    from afd_patches.config import AfdConfig
+    from afd_patches.config import parse  # what every checkout has (a baseline's config may be shaped otherwise)
 
     extra = {"backend": "tcp"} if inline_bytes < 0 else {"backend": "gloo", "inline_bytes": inline_bytes}
-    return AfdConfig(role=role, host="127.0.0.1", port=port, timeout_s=30.0, connector_extra_config=extra)
+    return parse({"role": role, "host": "127.0.0.1", "port": port, "timeout_s": 30.0, "connector_extra_config": extra})
 
 
 def _ffn(port: int, inline_bytes: int, src: str | None) -> None:

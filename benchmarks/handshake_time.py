@@ -29,13 +29,13 @@ TOKEN = "benchmark-token-0123456789abcdef0123456789abcdef"
 
 def once() -> float:
     """Seconds from the start of both ``init()`` calls until both returned."""
-    from afd_patches.config import AfdConfig
+    from afd_patches.config import parse  # what every checkout has (a baseline's config may be shaped otherwise)
     from afd_patches.connectors.base import ConnectorError
     from afd_patches.connectors.torch_dist import TorchDistConnector
 
     port = free_port()
-    conns = {role: TorchDistConnector(AfdConfig(role=role, host="127.0.0.1", port=port, timeout_s=10.0,
-                                                connector_extra_config={"backend": "tcp"})) for role in
+    conns = {role: TorchDistConnector(parse({"role": role, "host": "127.0.0.1", "port": port, "timeout_s": 10.0,
+                                             "connector_extra_config": {"backend": "tcp"}})) for role in
              ("ffn", "attention")}
     errors: list[Exception] = []
 

@@ -48,10 +48,10 @@ _CTX.set_forkserver_preload(["torch"])
 
 
 def _config(role: str, port: int, timeout_s: float) -> Any:
-    from afd_patches.config import AfdConfig
+    from afd_patches.config import parse  # what every checkout has (a baseline's config may be shaped otherwise)
 
-    return AfdConfig(role=role, host=FFN_HOST, port=port, timeout_s=timeout_s,
-                     connector_extra_config={"backend": "tcp"})
+    return parse({"role": role, "host": FFN_HOST, "port": port, "timeout_s": timeout_s,
+                  "connector_extra_config": {"backend": "tcp"}})
 
 
 class _Lines(logging.Handler):

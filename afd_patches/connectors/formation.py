@@ -36,8 +36,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from afd_patches.config import AfdConfig
-    from afd_patches.connectors.options import Options
+    from afd_patches.config import AfdConfig, LinkConfig
     from afd_patches.connectors.session import Hello
 
 
@@ -45,7 +44,7 @@ class Member(Protocol):
     """What formation reads of the rank it forms a group for (the connector is one)."""
 
     config: AfdConfig
-    options: Options
+    options: LinkConfig
     role: str
     global_rank: int
     world_size: int

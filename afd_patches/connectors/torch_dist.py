@@ -1,7 +1,6 @@
 """``torch_dist``: the AFD connector, composed of its layers.
 
 Layers (each its own module)
-    ``options``     ``connector_extra_config``, checked once in the front end and again here.
     ``session``     the one authenticated protocol of rendezvous and data links (admission, proofs, MAC'd
                     messages); ``rendezvous`` forms the group on top of it (compare, verdict, group id).
     ``transport``   the interface and typed errors; ``tcp`` (sockets, CPU default) and ``torch_group``
@@ -68,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from afd_patches import LOGGER, topology
+from afd_patches.config import DEFAULT_INLINE_BYTES, HOST_BACKENDS
 from afd_patches.connectors import auth, liveness, rendezvous, schedule, wire
 from afd_patches.connectors.base import (
     Connector,
@@ -77,7 +77,6 @@ from afd_patches.connectors.base import (
     ConnectorTimeout,
     Meta,
 )
-from afd_patches.connectors.options import DEFAULT_INLINE_BYTES, HOST_BACKENDS, OptionError, Options
 from afd_patches.connectors.session import Hello
 from afd_patches.connectors.transport import (
     BackendError,
@@ -110,8 +109,8 @@ class TorchDistConnector(Connector):
         try:
             topology.validate(a, f)
             self.global_rank = topology.global_rank(config.role, config.rank, a, f)
-            self.options = Options.parse(config.connector_extra_config)
-        except (ValueError, OptionError) as e:
+            self.options = config.link
+        except ValueError as e:
             raise ConnectorError(f"AFD connector: {e}") from e
         self.world_size, self.role = a + f, config.role
         if self.role == topology.ATTENTION:

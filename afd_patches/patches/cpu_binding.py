@@ -126,9 +126,9 @@ def omp_manager_init(original: Callable[..., Any], manager: Any, config: Any, *a
     raw = (getattr(config, "additional_config", None) or {}).get(CONFIG_KEY)
     if not isinstance(raw, dict):
         return original(manager, config, *args, **kwargs)
-    from afd_patches.config import AfdConfig
+    from afd_patches.config import restore
 
-    afd = AfdConfig(**raw)  # stored normalized (to_dict) by the front end's validate_afd_config
+    afd = restore(raw)  # stored normalized (to_dict) by the front end's validate_afd_config
     if afd.role == "attention":  # under vLLM data parallelism: this engine's rank is its DP rank
         from afd_patches.patches import data_parallel
 

@@ -63,7 +63,7 @@ def features_asked(engine_args: Any, cfg: Any) -> list[str]:
     """The AFD features (module docstring) a run with these engine arguments and ``AfdConfig`` asks for,
     the model family aside (known once vLLM built the config: ``family_of``)."""
     asked = []
-    if cfg.role == "attention" and int(cfg.connector_extra_config.get("micro_batches", 1)) > 1:
+    if cfg.role == "attention" and cfg.link.micro_batches > 1:
         asked.append("micro-batches")
     if int(getattr(engine_args, "data_parallel_size", 1) or 1) > 1:
         asked.append("data-parallel")
@@ -116,22 +116,24 @@ def refuse_cpu_expert_parallel(engine_args: Any, on_cpu: bool) -> None:
 
 
 def role_of(vllm_config: Any) -> str | None:
-    """Role of the engine being configured, or None when AFD is off (the manifest's worker overrides)."""
+    """Role of the engine being configured, or None when AFD is off (the manifest's worker overrides). Reads
+    the config ``validate_afd_config`` stored (``afd_patches.config.restore``: no I/O)."""
     additional = getattr(vllm_config, "additional_config", None)
     if not additional or CONFIG_KEY not in additional:
         return None
-    from afd_patches.config import parse
+    from afd_patches.config import restore
 
-    return parse(additional[CONFIG_KEY]).role
+    return restore(additional[CONFIG_KEY]).role
 
 
 def validate_afd_config(original: Callable[..., Any], engine_args: Any, *args: Any, **kwargs: Any) -> Any:
     """Check ``additional_config["afd"]`` before any config is built (with vLLM's data-parallel settings,
-    ``afd_patches.patches.data_parallel``); store it normalized; apply AFD's compilation rules around
+    ``afd_patches.patches.data_parallel``); store it normalized (``to_dict``: every later reader, in any
+    process, rebuilds it with ``afd_patches.config.restore``, without I/O); apply AFD's compilation rules around
     vLLM's (``afd_patches.patches.compilation``)."""
     additional = getattr(engine_args, "additional_config", None) or {}
     if CONFIG_KEY in additional:
-        from afd_patches.config import parse  # only runs that ask for AFD pay for jsonschema
+        from afd_patches.config import parse  # only runs that ask for AFD load the config machinery
         from afd_patches.patches import data_parallel
 
         require_active_plan()

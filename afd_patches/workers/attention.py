@@ -35,7 +35,6 @@ from typing import Any
 
 from afd_patches import LOGGER, metrics, trace
 from afd_patches.connectors.base import ConnectorError
-from afd_patches.connectors.options import Options
 from afd_patches.models.causal_lm import afd_config_of
 from afd_patches.patches import data_parallel, micro_batches
 from afd_patches.workers import tp_group
@@ -55,7 +54,7 @@ class AttentionRoleMixin(RoleBase):
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         cfg = data_parallel.attention_config(self.vllm_config, afd_config_of(self.vllm_config))
-        opts = Options.parse(cfg.connector_extra_config)
+        opts = cfg.link
         self._afd_micro = (opts.micro_batches, opts.micro_batch_min_tokens)
         tp = tp_group.TpChannel.of_worker()
         if tp is not None and opts.micro_batches > 1:
@@ -84,9 +83,9 @@ class AttentionRoleMixin(RoleBase):
         metrics.start_writer("attention", cfg.rank)
         trace.TRACER.start("attention", cfg.rank)
         link = model.afd_link()
-        if cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched":
+        if cfg.num_attention_ranks > cfg.num_ffn_ranks and opts.schedule == "batched":
             link.pad_micro_batches = opts.micro_batches  # its FFN rank batches ranks by micro-batch
-        tick = (cfg.num_attention_ranks > cfg.num_ffn_ranks and cfg.schedule == "batched"
+        tick = (cfg.num_attention_ranks > cfg.num_ffn_ranks and opts.schedule == "batched"
                 and not data_parallel.vllm_keeps_lockstep(self.vllm_config))
         self._afd_group = AttentionGroup(cfg.rank, f"{cfg.host}:{cfg.port}", lambda: build_connector(cfg, identity),
                                          link, opts.idle_timeout_s, cfg.timeout_s, tick)

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from afd_patches import LOGGER, metrics, trace
-from afd_patches.connectors.options import Options
 from afd_patches.models.causal_lm import afd_config_of
 from afd_patches.workers import tp_group
 from afd_patches.workers.connection import build_connector, model_identity
@@ -88,7 +87,7 @@ class FfnRoleMixin(RoleBase):
                         "in docs/benchmarks.md)", cfg.rank)
         tp = tp_group.TpChannel.of_worker()
         self._afd_server = FfnServer(cfg.rank, f"{cfg.host}:{cfg.port}", lambda: build_connector(cfg, identity),
-                                     Options.parse(cfg.connector_extra_config).idle_timeout_s, cfg.timeout_s, model,
+                                     cfg.link.idle_timeout_s, cfg.timeout_s, model,
                                      placement, tp, engine_stopper(self.vllm_config))
         if not self._afd_server.follower:
             metrics.start_writer("ffn", cfg.rank)

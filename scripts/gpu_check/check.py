@@ -55,10 +55,10 @@ What it runs
     bitwise equal too. Reported: µs per step and per exchange (medians) next to the same split without AFD, and
     on CUDA the current device each micro-batch's thread ran on. vLLM is absent on the device, so the attention
     process installs a stand-in for ``vllm.forward_context`` (only the names microbatch.py uses, with vLLM's
-    contract; see ``microbatch_step.py``). With NCCL (two GPUs) the connector options' refusal of
-    ``micro_batches`` > 1 on NCCL is lifted in both processes (``nccl_micro_batches_forced``), to learn what NCCL
-    does with it; on one GPU gloo carries the CUDA tensors, as in ``exchange``. It has not run on a GPU yet: only
-    its CPU self-test has run (gloo, no streams).
+    contract; see ``microbatch_step.py``). With NCCL (two GPUs) the config's refusal of ``micro_batches`` > 1 on
+    NCCL does not apply: the script builds its ``LinkConfig`` directly, not through ``parse``/``restore``
+    (``nccl_micro_batches_forced``), to learn what NCCL does with it; on one GPU gloo carries the CUDA tensors,
+    as in ``exchange``. It has not run on a GPU yet: only its CPU self-test has run (gloo, no streams).
     Found by that self-test (2026-12-04) and fixed in the connector: on gloo with 2 or more micro-batches, a
     payload above ``inline_bytes`` deadlocked both sides (each waited for its own earlier send before taking the
     other's payload); ``--hidden 256 --requests 100,60,140`` on CPU is that case (test_gpu_check.py runs it).
@@ -129,7 +129,9 @@ class Mlp(torch.nn.Module):
 
 
 def make_config(role: str, port: int, opts: dict[str, Any]) -> Any:
-    from afd_patches.config import AfdConfig
+    """The connector's config, built directly (the rules of ``parse``/``restore`` between link keys, such as
+    the refusal of micro-batches on NCCL, are not applied: see ``microbatch`` in the module docstring)."""
+    from afd_patches.config import AfdConfig, LinkConfig
 
     extra: dict[str, Any] = {"backend": opts["backend"]}
     if opts["backend"] == "nccl":
@@ -138,7 +140,7 @@ def make_config(role: str, port: int, opts: dict[str, Any]) -> Any:
         extra["micro_batches"] = opts["micro_batches"]
     if opts.get("inline_bytes") is not None:
         extra["inline_bytes"] = opts["inline_bytes"]
-    return AfdConfig(role=role, port=port, timeout_s=opts["timeout_s"], connector_extra_config=extra)
+    return AfdConfig(role=role, port=port, timeout_s=opts["timeout_s"], connector_extra_config=LinkConfig(**extra))
 
 
 def identity(opts: dict[str, Any]) -> dict[str, Any]:
@@ -157,27 +159,7 @@ def setup(role: str, opts: dict[str, Any]) -> torch.device:
         from afd_patches.connectors import torch_group
 
         torch_group.device_identity = lambda d: f"forced-distinct-{role}"
-    if opts.get("force_micro_batches_on_nccl"):
-        force_micro_batches_on_nccl()
     return device
-
-
-def force_micro_batches_on_nccl() -> None:
-    """Lift, in this process only, the connector options' refusal of ``micro_batches`` > 1 on NCCL (``options.py``:
-    "the CUDA-stream schedule is not built yet"), so that ``microbatch`` learns what NCCL does with it: the other
-    keys are parsed by ``Options.parse`` itself, ``micro_batches`` is taken as given (the script's own value)."""
-    import dataclasses
-
-    from afd_patches.connectors import options
-
-    parse = options.Options.parse.__func__  # type: ignore[attr-defined]
-
-    def lifted(cls: type[options.Options], extra: Any) -> options.Options:
-        extra = dict(extra or {})
-        micro = extra.pop("micro_batches", 1)
-        return dataclasses.replace(parse(cls, extra), micro_batches=micro)
-
-    options.Options.parse = classmethod(lifted)  # type: ignore[method-assign, assignment]
 
 
 def _error(e: BaseException) -> dict[str, Any]:

@@ -186,9 +186,9 @@ def test_to_dict_parses_again(tmp_path, no_token: None) -> None:
 
 
 def test_schedule_defaults_to_batched_and_accepts_pingpong():
-    assert parse({"role": "ffn"}).schedule == "batched"
+    assert parse({"role": "ffn"}).link.schedule == "batched"
     cfg = parse({"role": "ffn", "connector_extra_config": {"schedule": "pingpong", "inline_bytes": 0}})
-    assert cfg.schedule == "pingpong" and cfg.connector_extra_config["inline_bytes"] == 0
+    assert cfg.link.schedule == "pingpong" and cfg.link.inline_bytes == 0
 
 
 @pytest.mark.parametrize("value", ["lockstep", "", 1, None])
@@ -200,11 +200,10 @@ def test_bad_schedule_names_the_nested_key(value):
 
 
 def test_micro_batches_default_to_one_and_take_two_to_four():
-    from afd_patches.connectors.options import DEFAULT_MICRO_BATCH_MIN_TOKENS, Options
+    from afd_patches.config import DEFAULT_MICRO_BATCH_MIN_TOKENS
 
-    assert Options.parse({}).micro_batches == 1
-    opts = Options.parse(parse({"role": "attention", "connector_extra_config": {"micro_batches": 4}})
-                         .connector_extra_config)
+    assert parse({"role": "attention"}).link.micro_batches == 1
+    opts = parse({"role": "attention", "connector_extra_config": {"micro_batches": 4}}).link
     assert opts.micro_batches == 4 and opts.micro_batch_min_tokens == max(4, DEFAULT_MICRO_BATCH_MIN_TOKENS)
 
 

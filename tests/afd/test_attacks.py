@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from afd_patches import LOGGER
-from afd_patches.config import AfdConfig
+from afd_patches.config import AfdConfig, restore
 from afd_patches.connectors import auth, session, wire
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.connectors.torch_dist import TorchDistConnector
@@ -298,7 +298,7 @@ def proxied_attention(cfg: AfdConfig, plan: list[int], queue: Any, forever: bool
 
 def _through(proxy: FaultProxy, port: int, timeout_s: float = 5.0) -> AfdConfig:
     cfg = host_config("attention", port, timeout_s=timeout_s)
-    return AfdConfig(**{**cfg.to_dict(), "host": proxy.address[0], "port": proxy.address[1]})
+    return restore({**cfg.to_dict(), "host": proxy.address[0], "port": proxy.address[1]})
 
 
 @pytest.mark.parametrize("latency_s,rate_bps", [(0.001, None), (0.010, None), (0.0, 400_000)],

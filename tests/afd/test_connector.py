@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from afd_patches import topology
-from afd_patches.config import AfdConfig
+from afd_patches import AfdConfigError, topology
+from afd_patches.config import AfdConfig, restore
 from afd_patches.connectors import wire
 from afd_patches.connectors.base import (
     ConnectorAuthError,
@@ -48,18 +48,11 @@ def make_config(
     role: str, rank: int, port: int, a: int = 1, f: int = 1, timeout_s: float = 15.0, backend: str = "tcp",
     host: str = "127.0.0.1", **extra: Any
 ) -> AfdConfig:
-    """A config on ``host`` (127.0.0.1); ``backend`` ``tcp`` (the CPU default) unless a test names gloo."""
-    return AfdConfig(
-        role=role,
-        host=host,
-        allow_unauthenticated=host == "0.0.0.0",
-        port=port,
-        num_attention_ranks=a,
-        num_ffn_ranks=f,
-        rank=rank,
-        timeout_s=timeout_s,
-        connector_extra_config={"backend": backend, **extra},
-    )
+    """A config on ``host`` (127.0.0.1); ``backend`` ``tcp`` (the CPU default) unless a test names gloo. Built as
+    a worker builds it (``restore``: every rule checked, no I/O)."""
+    return restore({"role": role, "host": host, "allow_unauthenticated": host == "0.0.0.0", "port": port,
+                    "num_attention_ranks": a, "num_ffn_ranks": f, "rank": rank, "timeout_s": timeout_s,
+                    "connector_extra_config": {"backend": backend, **extra}})
 
 
 def attn_input(rank: int, layer: int, step: int, tokens: int) -> torch.Tensor:
@@ -280,8 +273,8 @@ def test_wrong_side_and_uninitialised() -> None:
         conn.recv_attn_output()
     with pytest.raises(ConnectorError, match="not initialised"):
         conn.send_attn_output(torch.zeros(1, HIDDEN), 0, 0)
-    with pytest.raises(ConnectorError, match="unknown key"):
-        TorchDistConnector(AfdConfig(role="ffn", connector_extra_config={"bakend": "gloo"}))
+    with pytest.raises(AfdConfigError, match=r'\["connector_extra_config"\]\["bakend"\]: unknown key'):
+        make_config("ffn", 0, 1, bakend="gloo")  # the config refuses it before any connector is built
 
 
 def test_model_identity_and_hello_comparison() -> None:
@@ -403,11 +396,10 @@ def test_2a1f_pingpong_serves_each_rank_as_it_arrives(backend: str) -> None:
 
 
 def test_schedule_must_be_known_and_pingpong_needs_gloo() -> None:
-    with pytest.raises(ConnectorError, match="schedule: 'lockstep' is not one of batched, pingpong"):
-        TorchDistConnector(make_config("ffn", 0, 1, schedule="lockstep"))
-    with pytest.raises(ConnectorError, match="'pingpong' needs backend gloo"):
-        TorchDistConnector(make_config("ffn", 0, 1, schedule="pingpong", backend="nccl", inline_bytes=0,
-                                       device="cpu"))
+    with pytest.raises(AfdConfigError, match=r"\[\"schedule\"\]: 'lockstep' is not one of \['batched', 'pingpong'\]"):
+        make_config("ffn", 0, 1, schedule="lockstep")
+    with pytest.raises(AfdConfigError, match="'pingpong' needs backend gloo"):
+        make_config("ffn", 0, 1, schedule="pingpong", backend="nccl", inline_bytes=0, device="cpu")
     conn = TorchDistConnector(make_config("attention", 0, 1, schedule="pingpong"))
     assert conn.schedule == "pingpong" and conn.hello().fields["schedule"] == "pingpong"
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from afd_patches import LOGGER, AfdConfigError
-from afd_patches.config import AfdConfig, parse
+from afd_patches.config import parse, restore
 from afd_patches.cores import Cpu, derive, format_core_lists, format_cores, parse_core_lists, physical_cores
 from afd_patches.patches import cpu_binding
 
@@ -127,7 +127,7 @@ def _config(afd: dict[str, Any] | None, workers: int = 1, dp: int = 1, dp_index:
     parallel = SimpleNamespace(local_world_size=workers, data_parallel_rank_local=None, _api_process_count=1,
                                data_parallel_size=dp, data_parallel_size_local=1, data_parallel_index=dp_index)
     return SimpleNamespace(parallel_config=parallel, kv_transfer_config=None,
-                           additional_config={"afd": AfdConfig(**afd).to_dict()} if afd else {})
+                           additional_config={"afd": restore(afd).to_dict()} if afd else {})
 
 
 def _build(config: SimpleNamespace) -> Any:
@@ -181,7 +181,7 @@ def test_non_loopback_host_keeps_vllms_auto(bind_env, monkeypatch: pytest.Monkey
     bind_env(_flat(2))
     monkeypatch.setenv("AFD_TOKEN", "5b2e9f07c4d18a63e0f7b1c92d4a8e36")
     config = _config({"role": "ffn", "host": "10.0.0.1"})
-    afd = AfdConfig(**config.additional_config["afd"])
+    afd = restore(config.additional_config["afd"])
     mask, source = cpu_binding.choose(afd, config)
     assert mask is None and "not loopback" in source
 

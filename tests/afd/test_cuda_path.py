@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from afd_patches.config import AfdConfig
-from afd_patches.connectors import options, torch_group
+from afd_patches.config import IDLE_TIMEOUT_S, AfdConfig, LinkConfig, restore
+from afd_patches.connectors import torch_group
 from afd_patches.connectors.base import ConnectorClosed, ConnectorError, ConnectorMismatch, ConnectorTimeout, Meta
 from afd_patches.connectors.torch_dist import TorchDistConnector
 from afd_patches.connectors.torch_group import TorchGroupTransport
@@ -30,7 +30,7 @@ def _port() -> int:
 
 def _config(role: str, port: int, backend: str = "nccl", **extra: Any) -> AfdConfig:
     return AfdConfig(role=role, port=port, timeout_s=5.0,
-                     connector_extra_config={"backend": backend, "device": "cpu", **extra})
+                     connector_extra_config=LinkConfig(backend=backend, device="cpu", **extra))
 
 
 def _init_both(port: int, backend: str = "nccl", **extra: Any) -> dict[str, ConnectorError | None]:
@@ -102,7 +102,7 @@ def test_nccl_group_timeout_covers_the_idle_wait(monkeypatch: pytest.MonkeyPatch
         assert all(isinstance(e, ConnectorError) for e in results.values()), results
     assert seen["nccl0"] == seen["nccl1"] == 3600.0, seen
     assert seen["gloo0"] <= 5 and seen["gloo1"] <= 5, seen
-    assert options.Options.parse({}).idle_timeout_s == options.IDLE_TIMEOUT_S
+    assert restore({"role": "ffn"}).link.idle_timeout_s == IDLE_TIMEOUT_S
 
 
 # ------------------------------------------------------------------ NCCL-style waits

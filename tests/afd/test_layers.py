@@ -1,12 +1,12 @@
 """afd_patches' layers, as import-linter contracts in ``pyproject.toml`` (``[tool.importlinter]``, ``afd-*``).
 
 Connector layers, lowest first (``afd_patches.connectors``): the contract and the plain data (``base``,
-``options``, ``auth``, beside ``afd_patches.topology`` and ``afd_patches.metrics``); the header and the
+``auth``, beside ``afd_patches.topology`` and ``afd_patches.metrics``); the header and the
 transport interface (``wire``, ``transport``, ``arrivals``); the transports and the session protocol
 (``tcp``, ``torch_group``, ``session``); what builds on them (``liveness``, ``rendezvous``, ``schedule``);
 ``formation``; the connector (``torch_dist``). A module may import its own layer or a lower one, every connector
 module has a layer, nothing in ``connectors`` imports the workers, the models or the patch functions, and no
-package or module of afd_patches imports in a circle (the connector's type-only mention of ``AfdConfig`` aside).
+package or module of afd_patches imports in a circle (the connector's imports of ``afd_patches.config`` aside).
 Every import counts, also a lazy one or one under ``TYPE_CHECKING``. tests/patchkit/test_layers.py runs
 ``lint-imports`` on the tree; this file breaks each afd contract once in a copy and checks it is named.
 """
@@ -21,7 +21,7 @@ VIOLATIONS = {
     # a lower connector layer reaching up, lazily
     "afd_patches/connectors/wire.py": "\n\ndef _upward():\n    from afd_patches.connectors import formation\n",
     # the connector reaching a role
-    "afd_patches/connectors/options.py": "\nfrom afd_patches.workers import ffn\n",
+    "afd_patches/connectors/auth.py": "\nfrom afd_patches.workers import ffn\n",
     # topology reaching a higher connector layer
     "afd_patches/topology.py": "\nfrom afd_patches.connectors import schedule\n",
     # a connector module without a layer
@@ -37,7 +37,7 @@ def test_a_violation_of_each_afd_contract_breaks_it(tmp_path: Path) -> None:
     assert result.returncode == 1, out + result.stderr
     assert "Contracts: 4 kept, 4 broken." in out, out
     assert "afd_patches.connectors.wire -> afd_patches.connectors.formation" in out, out
-    assert "afd_patches.connectors.options -> afd_patches.workers.ffn" in out, out
+    assert "afd_patches.connectors.auth -> afd_patches.workers.ffn" in out, out
     assert "afd_patches.topology -> afd_patches.connectors.schedule" in out, out
     assert "afd_patches.connectors.stray" in out, out
     assert "No cycles are allowed in afd_patches." in out, out

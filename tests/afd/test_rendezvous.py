@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from afd_patches import LOGGER
-from afd_patches.config import AfdConfig
+from afd_patches.config import AfdConfig, LinkConfig, restore
 from afd_patches.connectors import auth, session, wire
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.connectors.torch_dist import TorchDistConnector
@@ -43,7 +43,7 @@ IDENTITY = {"hidden_size": HIDDEN, "dtype": "float32", "max_num_batched_tokens":
 
 def host_config(role: str, port: int, timeout_s: float = 15.0, **extra: Any) -> AfdConfig:
     cfg = make_config(role, 0, port, timeout_s=timeout_s, **extra)
-    return AfdConfig(**{**cfg.to_dict(), "host": FFN_HOST})
+    return restore({**cfg.to_dict(), "host": FFN_HOST})
 
 
 class _Records(logging.Handler):
@@ -141,11 +141,11 @@ def test_non_loopback_host_without_token_fails_fast(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     t0 = time.monotonic()
     with pytest.raises(ConnectorError) as e:
-        TorchDistConnector(AfdConfig(role="ffn", host="10.1.2.3", connector_extra_config={"backend": "gloo"}))
+        TorchDistConnector(AfdConfig(role="ffn", host="10.1.2.3", connector_extra_config=LinkConfig(backend="gloo")))
     assert time.monotonic() - t0 < 1.0
     assert "AFD_TOKEN" in str(e.value) and "token_file" in str(e.value)
     TorchDistConnector(AfdConfig(role="ffn", host="10.1.2.3", allow_unauthenticated=True,
-                                 connector_extra_config={"backend": "gloo"}))
+                                 connector_extra_config=LinkConfig(backend="gloo")))
 
 
 def test_header_bounds_before_allocation() -> None:
