@@ -77,8 +77,8 @@ from afd_patches.connectors.base import (
     ConnectorTimeout,
     Meta,
 )
+from afd_patches.connectors.handshake import Hello
 from afd_patches.connectors.options import DEFAULT_INLINE_BYTES, HOST_BACKENDS, OptionError, Options
-from afd_patches.connectors.session import Hello
 from afd_patches.connectors.transport import (
     BackendError,
     LinkClosed,

@@ -20,7 +20,7 @@ import torch
 
 from afd_patches import LOGGER
 from afd_patches.config import AfdConfig
-from afd_patches.connectors import auth, session, wire
+from afd_patches.connectors import admission, auth, wire
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.connectors.torch_dist import TorchDistConnector
 from harness.env import free_port
@@ -125,7 +125,7 @@ def hostile_header_worker(cfg: AfdConfig, shape: list[int], queue: Any, release:
 # --------------------------------------------------------------------------- tests
 def test_listener_binds_the_configured_host_only() -> None:
     port = free_port()
-    listener = session.listen(FFN_HOST, port, "the group")
+    listener = admission.listen(FFN_HOST, port, "the group")
     try:
         assert listener.getsockname()[:2] == (FFN_HOST, port)
         with pytest.raises(ConnectionRefusedError):
