@@ -37,7 +37,8 @@ from tests.afd.test_connector import (
 from tests.support import afd_probe
 
 FFN_HOST = "127.0.0.2"
-TOKEN = "test-only-rendezvous-token-0123456789abcdef"  # a constant: forkserver children re-import this module
+# secrets.token_hex(32), a constant: forkserver children re-import this module
+TOKEN = "05b2f307b95fec80a9a2d165a33951419e47a830ef17017033714fc3eed05cf5"
 IDENTITY = {"hidden_size": HIDDEN, "dtype": "float32", "max_num_batched_tokens": 64}
 
 
