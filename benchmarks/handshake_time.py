@@ -24,7 +24,7 @@ import time
 
 from harness.env import free_port
 
-TOKEN = "benchmark-token-0123456789abcdef0123456789abcdef"
+TOKEN = "17927d585f38cb601edd180a641ca41b12e3076ad696109ff2bd56a3e6b52a90"  # secrets.token_hex(32)
 
 
 def once() -> float:

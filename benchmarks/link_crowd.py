@@ -76,14 +76,14 @@ def _ffn(src: str | None, port: int, out: Any) -> None:
     import torch
 
     from afd_patches import LOGGER
-    from afd_patches.connectors import session
+    from afd_patches.connectors import handshake
     from afd_patches.connectors.base import ConnectorError
     from afd_patches.connectors.torch_dist import TorchDistConnector
 
     torch.set_num_threads(1)
     handler = _Lines()
     logging.getLogger(LOGGER).addHandler(handler)  # also keeps logging's last resort off stderr
-    out.put(("protocol", session.PROTOCOL))
+    out.put(("protocol", handshake.PROTOCOL))
     conn = TorchDistConnector(_config("ffn", port, 60.0))
     error = None
     try:

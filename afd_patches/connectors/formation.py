@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from afd_patches import topology
 from afd_patches.connectors import auth, liveness, rendezvous
+from afd_patches.connectors.admission import listen
 from afd_patches.connectors.base import ConnectorError, ConnectorTimeout
-from afd_patches.connectors.session import Session, listen
+from afd_patches.connectors.session import Session
 from afd_patches.connectors.transport import Transport
 from afd_patches.metrics import METRICS
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from afd_patches.config import AfdConfig, LinkConfig
-    from afd_patches.connectors.session import Hello
+    from afd_patches.connectors.handshake import Hello
 
 
 class Member(Protocol):
@@ -136,7 +137,7 @@ def _tcp(conn: Member, sessions: dict[int, Session]) -> Transport:
 
 def _tcp_ffn(conn: Member, deadline: float, wait_s: float) -> Transport:
     """An FFN rank other than 0 on tcp: listen for data sessions, join FFN rank 0, admit the served ranks."""
-    from afd_patches.connectors.torch_group import local_address
+    from afd_patches.connectors.addresses import local_address
 
     cfg, opts = conn.config, conn.options
     bind = conn.host if conn.host in WILDCARDS else local_address(conn.host)
@@ -163,7 +164,9 @@ def _tcp_ffn(conn: Member, deadline: float, wait_s: float) -> Transport:
 def _torch_group(conn: Member, group: str, deadline: float, listener: socket.socket | None,
                  joined: dict[Any, Any], ffn_of: Any) -> tuple[Transport, Any]:
     """gloo/NCCL: the group's store (FFN rank 0 serves it on ``listener``), the MAC'd group over it, warm-up."""
-    from afd_patches.connectors.torch_group import TorchGroupTransport, build_group, group_store, seal_store
+    from afd_patches.connectors.sealing import seal_store
+    from afd_patches.connectors.store import group_store
+    from afd_patches.connectors.torch_group import TorchGroupTransport, build_group
 
     cfg = conn.config
     remaining = max(deadline - time.monotonic(), 1.0)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from afd_patches import LOGGER
-from afd_patches.connectors.torch_group import StoreTampered
+from afd_patches.connectors.store import StoreTampered
 
 logger = logging.getLogger(LOGGER)
 

@@ -42,8 +42,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from afd_patches import LOGGER
+from afd_patches.connectors.admission import POLL_S, Gate, Joined
 from afd_patches.connectors.base import ConnectorAuthError, ConnectorError, ConnectorMismatch, ConnectorTimeout
-from afd_patches.connectors.session import POLL_S, Gate, Hello, Joined, Session, SessionError, open_session
+from afd_patches.connectors.handshake import Hello
+from afd_patches.connectors.session import Session, SessionError, open_session
 
 logger = logging.getLogger(LOGGER)
 

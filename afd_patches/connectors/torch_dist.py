@@ -77,7 +77,7 @@ from afd_patches.connectors.base import (
     ConnectorTimeout,
     Meta,
 )
-from afd_patches.connectors.session import Hello
+from afd_patches.connectors.handshake import Hello
 from afd_patches.connectors.transport import (
     BackendError,
     LinkClosed,

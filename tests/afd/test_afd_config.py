@@ -12,7 +12,8 @@ from afd_patches.patches.engine_config import role_of
 
 
 def test_aliases_are_normalized_and_defaults_filled(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("AFD_TOKEN", "5b2e9f07c4d18a63e0f7b1c92d4a8e36")  # 10.0.0.1 is not loopback: a token is required
+    # 10.0.0.1 is not loopback: a token is required
+    monkeypatch.setenv("AFD_TOKEN", "d7aa4601264fc8e9137ce38eba6b8d7a9059517eb69c0cfb2c3d4ca268e4ad39")
     cfg = parse({"afd_role": "attention", "afd_host": "10.0.0.1", "afd_port": 4000, "num_attention_ranks": 2,
                  "rank": 1})
     assert cfg == AfdConfig(role="attention", host="10.0.0.1", port=4000, num_attention_ranks=2, rank=1)
@@ -103,7 +104,7 @@ def test_the_modules_every_process_imports_leave_the_config_machinery_unloaded()
 
 
 # ------------------------------------------------------------------ rendezvous token
-TOKEN = "8d1f0c3ea47b95e2d6c8a1b07f3e4c59"  # 128 bits by the estimate (auth.estimated_bits)
+TOKEN = "8e134ea4ff71efb1213da1930f9f124c4df96c897d6d56f44691f218a1a45cbf"  # secrets.token_hex(32)
 
 
 @pytest.fixture

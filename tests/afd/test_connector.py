@@ -282,8 +282,8 @@ def test_model_identity_and_hello_comparison() -> None:
     fields both sides supplied are compared (a creator without an identity still connects)."""
     from types import SimpleNamespace
 
+    from afd_patches.connectors.handshake import Hello
     from afd_patches.connectors.rendezvous import differences, model_fields
-    from afd_patches.connectors.session import Hello
     from afd_patches.workers.connection import model_identity
 
     hf = SimpleNamespace(num_hidden_layers=2, hidden_size=64, architectures=["LlamaForCausalLM"])

@@ -179,7 +179,7 @@ def test_precedence_cpu_cores_then_env_then_derived(bind_env, monkeypatch: pytes
 
 def test_non_loopback_host_keeps_vllms_auto(bind_env, monkeypatch: pytest.MonkeyPatch):
     bind_env(_flat(2))
-    monkeypatch.setenv("AFD_TOKEN", "5b2e9f07c4d18a63e0f7b1c92d4a8e36")
+    monkeypatch.setenv("AFD_TOKEN", "d7aa4601264fc8e9137ce38eba6b8d7a9059517eb69c0cfb2c3d4ca268e4ad39")
     config = _config({"role": "ffn", "host": "10.0.0.1"})
     afd = restore(config.additional_config["afd"])
     mask, source = cpu_binding.choose(afd, config)

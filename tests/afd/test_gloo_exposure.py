@@ -2,7 +2,7 @@
 
 A real FFN rank and attention rank (processes of ``test_connector``'s forkserver) form a gloo group on
 127.0.0.2 with a token, stay in it until the test releases them, then run one exact exchange and close.
-The test process reads their sockets from ``/proc`` (``torch_group.tcp_sockets``) and plays the stranger:
+The test process reads their sockets from ``/proc`` (``addresses.tcp_sockets``) and plays the stranger:
 a plain ``TCPStore`` client and plain sockets, on loopback only. Every wait is bounded.
 """
 
@@ -20,10 +20,10 @@ import torch
 
 from afd_patches import LOGGER
 from afd_patches.config import AfdConfig
-from afd_patches.connectors import auth, torch_group
+from afd_patches.connectors import auth, sealing, store
+from afd_patches.connectors.addresses import TCP_LISTEN, tcp_sockets
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.connectors.torch_dist import TorchDistConnector
-from afd_patches.connectors.torch_group import TCP_LISTEN, tcp_sockets
 from harness.env import free_port
 from tests.afd.test_connector import _CTX, _join_all, attn_input, collect, ffn, start
 from tests.afd.test_rendezvous import FFN_HOST, TOKEN, _Records, host_config
@@ -46,14 +46,14 @@ def holding_rank(cfg: AfdConfig, queue: Any, release: Any, slow_s: float = 0.0) 
     logging.getLogger(LOGGER).addHandler(records)
     name = f"{cfg.role}{cfg.rank}"
     if slow_s:
-        opened = torch_group.group_store
+        opened = store.group_store
 
         def slow_group_store(*args: Any) -> Any:
             queue.put((f"{name}-verdict", {}))
             time.sleep(slow_s)
             return opened(*args)
 
-        torch_group.group_store = slow_group_store
+        store.group_store = slow_group_store
     conn = TorchDistConnector(cfg)
     try:
         conn.init()
@@ -166,8 +166,8 @@ def test_a_rank_that_closed_early_is_not_read_as_translated() -> None:
     not seen while a connection no rank named is open reads as translated."""
     a, b, c, stranger = ("127.0.0.1", 40001), ("127.0.0.1", 40002), ("127.0.0.1", 40003), ("127.0.0.9", 5)
     named = {0: {a}, 1: {b}, 2: {c}}
-    assert torch_group.translated_ranks(named, {a, b, c}) == []
-    assert torch_group.translated_ranks(named, {a}) == []  # ranks 1 and 2 closed their connections already
-    assert torch_group.translated_ranks(named, set()) == []
-    assert torch_group.translated_ranks(named, {a, stranger}) == [1, 2]
-    assert torch_group.translated_ranks(named, {a, b, c, stranger}) == []  # a stranger, cut, nobody unseen
+    assert sealing.translated_ranks(named, {a, b, c}) == []
+    assert sealing.translated_ranks(named, {a}) == []  # ranks 1 and 2 closed their connections already
+    assert sealing.translated_ranks(named, set()) == []
+    assert sealing.translated_ranks(named, {a, stranger}) == [1, 2]
+    assert sealing.translated_ranks(named, {a, b, c, stranger}) == []  # a stranger, cut, nobody unseen

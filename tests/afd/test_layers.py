@@ -1,9 +1,11 @@
 """afd_patches' layers, as import-linter contracts in ``pyproject.toml`` (``[tool.importlinter]``, ``afd-*``).
 
 Connector layers, lowest first (``afd_patches.connectors``): the contract and the plain data (``base``,
-``auth``, beside ``afd_patches.topology`` and ``afd_patches.metrics``); the header and the
-transport interface (``wire``, ``transport``, ``arrivals``); the transports and the session protocol
-(``tcp``, ``torch_group``, ``session``); what builds on them (``liveness``, ``rendezvous``, ``schedule``);
+``auth``, beside ``afd_patches.topology`` and ``afd_patches.metrics``); the header, the
+transport interface and where sockets are (``wire``, ``transport``, ``arrivals``, ``addresses``); the protocol's
+lines and the group's MAC'd store (``handshake``, ``store``); the authenticated session (``session``); the
+transports, the host's admission and the store's sealing (``tcp``, ``torch_group``, ``admission``,
+``sealing``); what builds on them (``liveness``, ``rendezvous``, ``schedule``);
 ``formation``; the connector (``torch_dist``). A module may import its own layer or a lower one, every connector
 module has a layer, nothing in ``connectors`` imports the workers, the models or the patch functions, and no
 package or module of afd_patches imports in a circle (the connector's imports of ``afd_patches.config`` aside).

@@ -21,10 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from afd_patches.config import AfdConfig
-from afd_patches.connectors import auth, liveness, session, wire
+from afd_patches.connectors import admission, auth, handshake, liveness, session, wire
 from afd_patches.connectors.base import ConnectorError
+from afd_patches.connectors.store import MacStore, StoreTampered
 from afd_patches.connectors.torch_dist import TorchDistConnector
-from afd_patches.connectors.torch_group import MacStore, StoreTampered, TorchGroupTransport
+from afd_patches.connectors.torch_group import TorchGroupTransport
 from afd_patches.connectors.transport import LinkClosed
 from harness.crowd import CROWD, flood
 from harness.env import free_port
@@ -55,7 +56,7 @@ _LINES = st.one_of(st.binary(max_size=600), _JSON.map(lambda v: json.dumps(v).en
 def _stranger_line(port: int, second: bytes, source: str) -> bytes:
     """A stranger's valid step 1, then ``second`` as its step 3; whatever the host answered."""
     with socket.create_connection((FFN_HOST, port), timeout=5, source_address=(source, 0)) as s:
-        s.sendall(json.dumps({"afd": session.PROTOCOL, "nonce": auth.nonce().hex()}).encode() + b"\n")
+        s.sendall(json.dumps({"afd": handshake.PROTOCOL, "nonce": auth.nonce().hex()}).encode() + b"\n")
         afd_probe.read_line(s)
         s.sendall(second + b"\n")
         return afd_probe.read_line(s)
@@ -94,17 +95,17 @@ def test_a_hostile_hello_drops_that_connection_only(name: str) -> None:
 @given(line=_LINES)
 def test_the_line_parser_raises_value_error_only(line: bytes) -> None:
     try:
-        obj = session._parse_line(line)
+        obj = handshake.parse_line(line)
     except ValueError:
         return
-    assert isinstance(obj, dict) and session._depth(line) <= session.MAX_DEPTH
+    assert isinstance(obj, dict) and handshake.nesting_depth(line.decode()) <= handshake.MAX_DEPTH
 
 
 @settings(max_examples=400, deadline=None, database=None)
 @given(obj=_JSON)
 def test_the_hello_parser_raises_value_error_only(obj: Any) -> None:
     try:
-        hello = session.Hello.parse(obj)
+        hello = handshake.Hello.parse(obj)
     except ValueError:
         return
     assert isinstance(hello.role, str) and isinstance(hello.rank, int) and isinstance(hello.fields, dict)
@@ -194,7 +195,7 @@ def test_a_store_record_and_a_heartbeat_raise_store_tampered_only(raw: bytes) ->
 def test_a_forged_closed_marker_in_the_store_does_not_hide_a_frozen_peer(
         afd_caplog: pytest.LogCaptureFixture) -> None:
     """Records written into the group's store without its key ("closed", a fresh count: what a stranger could
-    write before ``torch_group.seal_store`` shut it out) count as no beat: the frozen peer is still lost at
+    write before ``sealing.seal_store`` shut it out) count as no beat: the frozen peer is still lost at
     ``timeout_s``, and the forgery is logged once."""
     inner = _DictStore()
     lost: list[tuple[int, str]] = []
@@ -262,7 +263,7 @@ def test_a_real_rank_joins_while_240_addresses_connect_at_full_rate() -> None:
     until, made, done = time.monotonic() + 8.0, [], threading.Event()
     # the crowd stops at ``until`` or once both ranks reported (the FFN's log, counted below, ends there)
     threads = [threading.Thread(target=flood, daemon=True,
-                                args=(FFN_HOST, port, CROWD[i::4], until, made, session.PROTOCOL, done))
+                                args=(FFN_HOST, port, CROWD[i::4], until, made, handshake.PROTOCOL, done))
                for i in range(4)]
     for t in threads:
         t.start()
@@ -334,10 +335,10 @@ def test_a_tokenless_group_warns_once(monkeypatch: pytest.MonkeyPatch, afd_caplo
 def test_the_gate_remembers_a_bounded_number_of_addresses() -> None:
     """More addresses than ``MAX_SOURCES`` connect once each: the gate's per-address memory stays bounded."""
     port = free_port()
-    listener = session.listen(FFN_HOST, port, "a test gate")
-    gate = session.Gate(listener, session.Hello("ffn", 0), None, f"{FFN_HOST}:{port}")
+    listener = admission.listen(FFN_HOST, port, "a test gate")
+    gate = admission.Gate(listener, handshake.Hello("ffn", 0), None, f"{FFN_HOST}:{port}")
     try:
-        sources = [f"127.0.{2 + i // 250}.{1 + i % 250}" for i in range(session.MAX_SOURCES + 200)]
+        sources = [f"127.0.{2 + i // 250}.{1 + i % 250}" for i in range(admission.MAX_SOURCES + 200)]
         for source in sources:
             try:
                 socket.create_connection((FFN_HOST, port), timeout=1, source_address=(source, 0)).close()
@@ -347,7 +348,7 @@ def test_the_gate_remembers_a_bounded_number_of_addresses() -> None:
         while sum(gate.refused.values()) < len(sources) - 50 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert sum(gate.refused.values()) >= len(sources) - 50, gate.refused
-        assert len(gate._sources) <= session.MAX_SOURCES, len(gate._sources)
+        assert len(gate._sources) <= admission.MAX_SOURCES, len(gate._sources)
     finally:
         gate.close()
         listener.close()

@@ -20,7 +20,7 @@ import torch
 
 from afd_patches import LOGGER
 from afd_patches.config import AfdConfig, LinkConfig, restore
-from afd_patches.connectors import auth, session, wire
+from afd_patches.connectors import admission, auth, wire
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.connectors.torch_dist import TorchDistConnector
 from harness.env import free_port
@@ -37,7 +37,8 @@ from tests.afd.test_connector import (
 from tests.support import afd_probe
 
 FFN_HOST = "127.0.0.2"
-TOKEN = "test-only-rendezvous-token-0123456789abcdef"  # a constant: forkserver children re-import this module
+# secrets.token_hex(32), a constant: forkserver children re-import this module
+TOKEN = "05b2f307b95fec80a9a2d165a33951419e47a830ef17017033714fc3eed05cf5"
 IDENTITY = {"hidden_size": HIDDEN, "dtype": "float32", "max_num_batched_tokens": 64}
 
 
@@ -125,7 +126,7 @@ def hostile_header_worker(cfg: AfdConfig, shape: list[int], queue: Any, release:
 # --------------------------------------------------------------------------- tests
 def test_listener_binds_the_configured_host_only() -> None:
     port = free_port()
-    listener = session.listen(FFN_HOST, port, "the group")
+    listener = admission.listen(FFN_HOST, port, "the group")
     try:
         assert listener.getsockname()[:2] == (FFN_HOST, port)
         with pytest.raises(ConnectionRefusedError):

@@ -59,7 +59,7 @@ pytestmark = pytest.mark.vllm
 ENGINE_BUDGET = 5
 
 FFN_HOST = "127.0.0.2"
-TOKEN = "integration-test-token-0123456789abcdef"
+TOKEN = "a17d9c828ccd116fb19ede0e32d5017725d1eaf6b192028ac03f21edc889fe73"  # secrets.token_hex(32)
 LAYERS = 2  # tiny_model's Llama
 FUZZ_S = 15.0
 FAIL_FAST_S = 90.0  # a front end that refuses its config: vLLM's imports, then the error

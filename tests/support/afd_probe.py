@@ -19,13 +19,13 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from afd_patches.connectors import auth, session
+from afd_patches.connectors import auth, handshake
 
 IDLE_CONNECTIONS = 20
 SCAN_PROBES = 7  # connections of ``scan`` besides the idle ones
 # what the FFN rank logs for each probe of ``scan`` ("refused the connection from …: <reason>"), and how often
-SCAN_REASONS = {"line longer": 1, "not JSON": 1, f"nested deeper than {session.MAX_DEPTH}": 1,
-                f"not an AFD protocol {session.PROTOCOL} hello": 1, "wrong token": 1, "not part of the topology": 1,
+SCAN_REASONS = {"line longer": 1, "not JSON": 1, f"nested deeper than {handshake.MAX_DEPTH}": 1,
+                f"not an AFD protocol {handshake.PROTOCOL} hello": 1, "wrong token": 1, "not part of the topology": 1,
                 "ffn rank 0 is already taken": 1}
 # the idle connections: evicted (more than MAX_PER_SOURCE from one address), timed out, or dropped at the end
 SCAN_SILENT = ("evicted", "no complete AFD hello within", "before the rendezvous ended")
@@ -95,10 +95,10 @@ def authenticated(host: str, port: int, token: str, hello: dict[str, Any], sourc
     after its nonce."""
     with connect(host, port, source) as s:
         nj = auth.nonce()
-        s.sendall(json.dumps({"afd": session.PROTOCOL, "nonce": nj.hex()}).encode() + b"\n")
+        s.sendall(json.dumps({"afd": handshake.PROTOCOL, "nonce": nj.hex()}).encode() + b"\n")
         nh = bytes.fromhex(json.loads(read_line(s))["nonce"])
-        text = session.canonical(hello)
-        proof = session.join_proof(auth.session_key(token.encode(), nj, nh), text).hex()
+        text = handshake.canonical(hello)
+        proof = handshake.join_proof(auth.session_key(token.encode(), nj, nh), text).hex()
         s.sendall(json.dumps({"proof": proof, "hello": text.decode()}).encode() + b"\n")
         rest = b""
         s.settimeout(5)
@@ -153,7 +153,7 @@ _json_values = st.recursive(
 _lines = _json_values.map(lambda v: json.dumps(v).encode() + b"\n")
 _first = st.one_of(
     st.binary(max_size=4096), _lines,
-    st.fixed_dictionaries({"afd": st.sampled_from([session.PROTOCOL, 1, str(session.PROTOCOL), None]),
+    st.fixed_dictionaries({"afd": st.sampled_from([handshake.PROTOCOL, 1, str(handshake.PROTOCOL), None]),
                            "nonce": st.one_of(st.text(max_size=70), st.just("ab" * 32))}).map(
         lambda d: json.dumps(d).encode() + b"\n"))
 
