@@ -26,7 +26,7 @@ from afd_patches import AfdConfigError
 from afd_patches import config as afd_config
 from afd_patches.config import MAX_SECONDS, AfdConfig, LinkConfig, from_additional_config, parse, restore
 
-TOKEN = "8d1f0c3ea47b95e2d6c8a1b07f3e4c59"  # 128 bits by the estimate (auth.estimated_bits)
+TOKEN = "3f9a0c6de5b2817f4c0d9e3a6b5f1728e4d0c9b3a7f6e5d4c3b2a1908f7e6d5c"  # secrets.token_hex(32)
 
 
 def _settimeout(seconds: float) -> None:
