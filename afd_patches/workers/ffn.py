@@ -44,7 +44,7 @@ logger = logging.getLogger(LOGGER)
 def engine_stopper(vllm_config: Any) -> Callable[[], None] | None:
     """How this FFN worker stops its engine after its serve loop failed (see the module docstring): SIGTERM to
     this process where vLLM started the process for the engine, else None (``afd_wait()`` reports)."""
-    import vllm.envs as envs
+    from vllm import envs
 
     backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
     if backend == "mp" or (backend == "uni" and envs.VLLM_ENABLE_V1_MULTIPROCESSING):
