@@ -186,7 +186,7 @@ def test_a_store_record_and_a_heartbeat_raise_store_tampered_only(raw: bytes) ->
     with pytest.raises(StoreTampered):
         store.get(liveness.key(1))
     lost: list[int] = []
-    beat = liveness.Heartbeat(store, 0, [1], 10.0, lambda peer, why: lost.append(peer), "test", 0)
+    beat = liveness.Heartbeat(store, 0, [1], 10.0, 1.0, lambda peer, why: lost.append(peer), "test", 0)
     beat._check()
     assert lost == []
 
@@ -198,7 +198,7 @@ def test_a_forged_closed_marker_in_the_store_does_not_hide_a_frozen_peer(
     ``timeout_s``, and the forgery is logged once."""
     inner = _DictStore()
     lost: list[tuple[int, str]] = []
-    beat = liveness.Heartbeat(MacStore(inner, b"k" * 32), 0, [1], 0.3, lambda p, why: lost.append((p, why)),
+    beat = liveness.Heartbeat(MacStore(inner, b"k" * 32), 0, [1], 0.3, 0.075, lambda p, why: lost.append((p, why)),
                               "test", 0)
     t0 = time.monotonic()
     while not lost and time.monotonic() - t0 < 2.0:
