@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from afd_patches import topology
-from afd_patches.connectors import auth
+from afd_patches.connectors import auth, wire
 from afd_patches.connectors.options import DEFAULT_INLINE_BYTES, HOST_BACKENDS, OptionError, Options
 
 if TYPE_CHECKING:
@@ -85,8 +85,6 @@ class GroupSpec:
     def of(cls, cfg: AfdConfig, identity: Mapping[str, Any] | None = None) -> GroupSpec:
         """The spec of ``cfg``'s rank (``identity``: the model's, bounds the headers); ``SpecError`` naming the
         value that cannot work. Pure: no file read, no name resolved."""
-        from afd_patches.connectors import wire
-
         a, f = cfg.num_attention_ranks, cfg.num_ffn_ranks
         try:
             topology.validate(a, f)

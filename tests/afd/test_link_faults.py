@@ -324,8 +324,11 @@ def test_a_tokenless_group_warns_once(monkeypatch: pytest.MonkeyPatch, afd_caplo
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     afd_caplog.set_level(logging.WARNING)
     port = free_port()
-    for _ in range(3):
-        TorchDistConnector(make_config("ffn", 0, port))
+    for _ in range(3):  # the token is read at each formation attempt; a tokenless group warns at the first
+        conn = TorchDistConnector(make_config("ffn", 0, port))
+        with pytest.raises(ConnectorError, match="heard from 0 of 1"):
+            conn.init(0.2)
+        conn.close()
     warned = [r.getMessage() for r in afd_caplog.records if "no token" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "any local user" in warned[0] and f"127.0.0.1:{port}" in warned[0], warned
