@@ -5,8 +5,9 @@ Connector layers, lowest first (``afd_patches.connectors``): the contract and th
 transport interface (``wire``, ``transport``, ``arrivals``); the transports and the session protocol
 (``tcp``, ``torch_group``, ``session``); what builds on them (``liveness``, ``rendezvous``, ``schedule``,
 ``spec``); ``formation`` and ``membership``; ``endpoints``; the connector (``torch_dist``). A module may import
-its own layer or a lower one, every connector module has a layer, nothing in ``connectors`` imports the workers, the models or the patch functions, and no
-package or module of afd_patches imports in a circle (the connector's type-only mention of ``AfdConfig`` aside).
+its own layer or a lower one, every connector module has a layer, nothing in ``connectors`` imports the workers,
+the models or the patch functions, and no package or module of afd_patches imports in a circle (the connector's
+type-only mention of ``AfdConfig`` aside).
 Every import counts, also a lazy one or one under ``TYPE_CHECKING``. tests/patchkit/test_layers.py runs
 ``lint-imports`` on the tree; this file breaks each afd contract once in a copy and checks it is named.
 """
