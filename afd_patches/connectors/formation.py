@@ -5,8 +5,9 @@ address)`` makes its hellos; ``cancelled()`` ends the wait) and returns a ``Form
 on gloo/NCCL the ``MacStore`` the heartbeats use (``None`` on tcp), on FFN rank 0 of a tcp group serving several
 attention ranks the ``rendezvous.Rejoins`` that takes back the ranks it drops (else ``None``), and the group id.
 
-Each attempt reads the token (``auth.load_token``) and resolves the host name (``auth.resolve``) itself, on
-purpose: a token rotated or a name moved between two groups is seen by the next. The address resolved is what
+Each attempt reads the token (``auth.load_token``; its strength estimate is skipped while the token's source
+is unchanged, ``_token``) and resolves the host name (``auth.resolve``) itself, on purpose: a token rotated or
+a name moved between two groups is seen by the next. The address resolved is what
 the policy judges (``auth.check_policy``) and what this attempt binds and connects to. Per rank:
 
 - FFN rank 0: admits every other rank's session at the configured address (``rendezvous.collect``),
@@ -24,7 +25,9 @@ address and the cause.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -42,6 +45,7 @@ logger = logging.getLogger(LOGGER)
 
 WILDCARDS = ("0.0.0.0", "::")
 _TOKENLESS_WARNED: set[str] = set()  # group addresses this process warned about (once each)
+_TOKENS: dict[tuple[Any, ...], bytes] = {}  # the last token judged strong, by its source's state (``_token``)
 
 
 class Formed(NamedTuple):
@@ -67,8 +71,8 @@ def form(spec: GroupSpec, hello: Callable[..., Hello], cancelled: Callable[[], b
          wait_s: float) -> Formed:
     """The formed group (see the module). ``ConnectorError`` when the token or the host cannot be used."""
     try:
-        token = auth.load_token(spec.token_file)
-        host = auth.resolve(spec.host)
+        token = _token(spec.token_file)
+        host = _address(spec.host)
         auth.check_policy(host, token, spec.allow_unauthenticated)
     except (auth.TokenError, OSError, UnicodeError) as e:
         raise ConnectorError(f"AFD rendezvous at {spec.address}: {e}") from None
@@ -78,6 +82,39 @@ def form(spec: GroupSpec, hello: Callable[..., Hello], cancelled: Callable[[], b
                        "or take the port while the FFN is down and answer as an FFN; %s; %s", spec.address,
                        auth.HOW_TO_SET, auth.HOW_TO_MAKE)
     return _form(_Attempt(spec, host, token, hello, cancelled, deadline, wait_s))
+
+
+def _token(token_file: str | None) -> bytes | None:
+    """The token as ``auth.load_token`` reads it now. Its strength estimate (about 0.4 ms) is not repeated while the
+    source is what it was: the same ``AFD_TOKEN`` value, or a token file whose ``lstat`` (inode, mode, owner, size,
+    modification time) did not change; anything else (a rotation, a ``chmod``, a link put in its place, the file
+    gone) is read and judged again."""
+    env = os.environ.get(auth.TOKEN_ENV)
+    source: tuple[Any, ...] = (None, env)
+    if token_file:
+        try:
+            st = os.lstat(token_file)
+        except OSError:
+            return auth.load_token(token_file)  # it names what is wrong with the file
+        source = (token_file, env, st.st_ino, st.st_dev, st.st_mode, st.st_uid, st.st_size, st.st_mtime_ns)
+    known = _TOKENS.get(source)
+    if known is not None:
+        return known
+    token = auth.load_token(token_file)
+    _TOKENS.clear()  # one source at a time
+    if token is not None:
+        _TOKENS[source] = token
+    return token
+
+
+def _address(host: str) -> str:
+    """``host`` resolved now (``auth.resolve``); an IP address without a scope is its own answer."""
+    if "%" not in host:
+        try:
+            return str(ipaddress.ip_address(host))
+        except ValueError:
+            pass
+    return auth.resolve(host)
 
 
 def _form(at: _Attempt) -> Formed:

@@ -126,21 +126,23 @@ class TcpTransport(Transport):
 
     # ---------------------------------------------------------------- receiving
     def next_header(self, peer: int, timeout_s: float) -> wire.Header:
+        """``peer``'s next header other than a keep-alive; once its first byte came, the rest must come within
+        ``alive_s`` (``LinkTimeout``), whatever ``timeout_s``."""
         ready = self._ready.pop(peer, None)
         if ready is not None:
             return ready
         deadline = time.monotonic() + timeout_s
         while True:
-            buf = self._partial.pop(peer, None) or bytearray()
-            begun = self._begun.pop(peer, None)
-            got = len(buf)
-            buf.extend(bytes(wire.HEADER_BYTES - got))
+            buf = bytearray(wire.HEADER_BYTES)
             view = memoryview(buf)
-            if not got:
+            partial = self._partial.pop(peer, None)
+            if partial:  # begun in ``first``
+                got, begun = len(partial), self._begun.pop(peer)
+                view[:got] = partial
+            else:
                 got = self._read_into(peer, view, deadline, least=1)
-                begun = time.monotonic()
+                begun = self._heard[peer]  # when those bytes came
             if got < wire.HEADER_BYTES:
-                assert begun is not None
                 self._read_into(peer, view[got:], min(deadline, begun + self.alive_s), header=True)
             header = wire.decode(buf)
             if header.kind != wire.KIND_PING:
