@@ -159,13 +159,14 @@ class Endpoint(Connector):
         if layer == 0 and nbytes == 0 and microbatch == 0:
             METRICS.add("idle_steps")
 
-    def _payload(self, transport: Transport, peer: int, header: wire.Header, what: str) -> torch.Tensor:
+    def _payload(self, transport: Transport, peer: int, header: wire.Header, what: str,
+                 spare: Callable[[LinkError], bool] | None = None) -> torch.Tensor:
         try:
             nbytes = self.spec.limits.check(header)
         except wire.BadMessage as e:
             raise self._fail(e, peer, what) from e
         return self._io(what, peer,  # type: ignore[no-any-return]
-                        lambda: transport.payload(peer, header, nbytes, self.spec.timeout_s))
+                        lambda: transport.payload(peer, header, nbytes, self.spec.timeout_s), spare)
 
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to(self.spec.device).contiguous()
@@ -236,19 +237,17 @@ class FfnEndpoint(Endpoint):
         """
         transport = self._check(topology.FFN)
         assert self._membership is not None
-        try:
-            got = schedule.SCHEDULES[self.spec.schedule](_Inbox(self, transport, self._membership))
-        except ConnectorClosed:
-            self._broken = "all served attention ranks closed"
-            raise ConnectorClosed(f"AFD {self.me()}: every served attention rank closed") from None
-        except ConnectorError as e:
-            if self._broken is None:
-                self._broken = str(e)
-                raise type(e)(f"AFD {self.me()}: {e}") from e
-            raise
-        first = got[0][1]
-        what = f"the attention output of layer {first.layer} step {first.step}"
-        received = {peer: self._payload(transport, peer, header, what) for peer, header in got}
+        received: dict[int, torch.Tensor] = {}
+        while not received:  # empty only when the one member taken was dropped for its payload (``spare``)
+            inbox = _Inbox(self, transport, self._membership)
+            got = self._next_batch(inbox)
+            first = got[0][1]
+            what = f"the attention output of layer {first.layer} step {first.step}"
+            for peer, header in got:  # a member whose payload does not come within timeout_s may be dropped
+                try:
+                    received[peer] = self._payload(transport, peer, header, what, inbox.spare)
+                except _Spared:
+                    continue
         self._drain()  # after the payloads: an attention rank takes this answer only once its next input went
         self.messages_received += len(received)
         METRICS.add("bytes_received", sum(t.numel() * t.element_size() for t in received.values()))
@@ -259,6 +258,18 @@ class FfnEndpoint(Endpoint):
         tensors = [received.get(p, template.new_empty((0, *template.shape[1:]))) for p in self.spec.peers]
         rows = sum(t.shape[0] for t in tensors)
         return Meta(first.layer, first.step, (rows, *first.shape[1:]), first.dtype, first.microbatch), tensors
+
+    def _next_batch(self, inbox: _Inbox) -> list[tuple[int, wire.Header]]:
+        try:
+            return schedule.SCHEDULES[self.spec.schedule](inbox)
+        except ConnectorClosed:
+            self._broken = "all served attention ranks closed"
+            raise ConnectorClosed(f"AFD {self.me()}: every served attention rank closed") from None
+        except ConnectorError as e:
+            if self._broken is None:
+                self._broken = str(e)
+                raise type(e)(f"AFD {self.me()}: {e}") from e
+            raise
 
     def send_ffn_output(self, outputs: list[torch.Tensor], meta: Meta) -> None:
         """Send ``outputs[i]`` to the i-th served attention rank, tagged with ``meta``'s layer, step and
@@ -298,7 +309,7 @@ class _Inbox:
         bound = spec.idle_timeout_s if idle else spec.timeout_s
         try:
             header = self.endpoint._io("the next attention output", peer,
-                                       lambda: self.transport.next_header(peer, bound), self._spare)
+                                       lambda: self.transport.next_header(peer, bound), self.spare)
         except _Spared:
             return None
         if header.kind == wire.KIND_CLOSE:
@@ -335,7 +346,7 @@ class _Inbox:
         return None
 
     def _first(self, peers: list[int], timeout_s: float) -> int | None:
-        """The first of ``peers`` whose header arrived within ``timeout_s``; a member dropped meanwhile (``_spare``)
+        """The first of ``peers`` whose header arrived within ``timeout_s``; a member dropped meanwhile (``spare``)
         leaves the others waiting until the same deadline."""
         deadline = time.monotonic() + timeout_s
         while peers:
@@ -343,12 +354,12 @@ class _Inbox:
             try:
                 return self.endpoint._io(  # type: ignore[no-any-return]
                     "the next attention output", peers[0],
-                    lambda p=peers, s=left: self.transport.first(p, s), self._spare)
+                    lambda p=peers, s=left: self.transport.first(p, s), self.spare)
             except _Spared:
                 peers = [p for p in peers if p in self.members.members()]
         return None
 
-    def _spare(self, err: LinkError) -> bool:
+    def spare(self, err: LinkError) -> bool:
         """A member's link timed out while others remain: drop it (True) instead of failing the connector."""
         members = self.members.members()
         if not isinstance(err, LinkTimeout) or err.peer not in members or len(members) < 2:
