@@ -8,8 +8,8 @@ Why
 
 How
     Each rank's ``Heartbeat`` thread writes ``alive/<global rank>`` = its beat count every ``interval_s``
-    (``timeout_s / 4``, between ``MIN_INTERVAL_S`` and ``MAX_INTERVAL_S``) and reads its peers' records,
-    all through the group's ``MacStore``: a record written without the group's key does not verify and
+    (``GroupSpec.beat_s``: ``timeout_s / 4``, clamped; ``afd_patches.connectors.spec``) and reads its peers'
+    records, all through the group's ``MacStore``: a record written without the group's key does not verify and
     counts as no beat (logged once per peer), so a stranger who writes ``closed`` or a fresh count into the
     store cannot hide a frozen peer; at worst a stranger who overwrites records gets a live peer reported
     lost (the group fails, as a lost peer does). A peer whose record did not change for ``timeout_s`` is
@@ -35,8 +35,6 @@ from afd_patches.connectors.store import StoreTampered
 
 logger = logging.getLogger(LOGGER)
 
-MIN_INTERVAL_S = 0.05
-MAX_INTERVAL_S = 1.0
 CLOSED = b"closed"
 
 
@@ -45,22 +43,17 @@ def key(rank: int) -> str:
     return f"alive/{rank}"
 
 
-def interval_for(timeout_s: float) -> float:
-    """Seconds between beats (and keep-alives) for peers that count as lost after ``timeout_s`` of silence."""
-    return min(max(timeout_s / 4, MIN_INTERVAL_S), MAX_INTERVAL_S)
-
-
 class Heartbeat:
-    """Beat for ``me`` and watch ``peers`` in ``store`` (a ``MacStore``).
+    """Beat for ``me`` every ``interval_s`` and watch ``peers`` in ``store`` (a ``MacStore``), each lost after
+    ``timeout_s`` without a beat.
 
     ``on_lost(peer, why)`` runs on the heartbeat thread, at most once per peer; it must not block.
     ``store_name`` names the store in messages, ``store_rank`` is the rank whose process hosts it.
     """
 
-    def __init__(self, store: Any, me: int, peers: list[int], timeout_s: float,
+    def __init__(self, store: Any, me: int, peers: list[int], timeout_s: float, interval_s: float,
                  on_lost: Callable[[int, str], None], store_name: str, store_rank: int) -> None:
-        self.store, self.me, self.timeout_s = store, me, timeout_s
-        self.interval_s = interval_for(timeout_s)
+        self.store, self.me, self.timeout_s, self.interval_s = store, me, timeout_s, interval_s
         self.on_lost, self.store_name, self.store_rank = on_lost, store_name, store_rank
         self._count = 0
         self._watched: dict[int, tuple[bytes, float]] = {peer: (b"", time.monotonic()) for peer in peers}

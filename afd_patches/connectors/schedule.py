@@ -40,12 +40,13 @@ class Inbox(Protocol):
 
     def header(self, peer: int, idle: bool) -> wire.Header | None:
         """``peer``'s next data header (a held one first; the step in the group's numbering once aligned), or
-        ``None`` for a ``CLOSE`` (the peer is then closed)."""
+        ``None`` for a ``CLOSE`` (the peer is then closed) or when the peer was dropped (its link timed out)."""
 
     def first(self, peers: list[int], timeout_s: float | None = None, lone: bool = False) -> int | None:
-        """The first of ``peers`` whose next header arrived (a held one at once). ``timeout_s`` ``None``: the
-        idle wait (``ConnectorTimeout`` at ``idle_timeout_s``; ``None`` when a dropped rank re-joined meanwhile,
-        the members changed); else ``None`` after ``timeout_s``. ``lone``: ``peers`` are all the members and no
+        """The first of ``peers`` whose next header arrived (a held one at once; a peer no longer a member is
+        not waited for). ``timeout_s`` ``None``: the idle wait (``ConnectorTimeout`` at ``idle_timeout_s``;
+        ``None`` when the members changed: a dropped rank re-joined, or a member was dropped because its link
+        timed out); else ``None`` after ``timeout_s``. ``lone``: ``peers`` are all the members and no
         receive of theirs is in flight, so a single one may be returned at once (``header(peer, idle=True)``
         then waits for it)."""
 

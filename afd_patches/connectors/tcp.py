@@ -72,6 +72,8 @@ class TcpTransport(Transport):
         self._heard: dict[int, float] = {}
         self._sent: dict[int, float] = {}
         self._ready: dict[int, wire.Header] = {}
+        self._partial: dict[int, bytearray] = {}  # the bytes of a header taken so far (``first``)
+        self._begun: dict[int, float] = {}  # when that header's first byte came
         self._interrupted: set[int] = set()
         for peer, (sock, buf) in socks.items():
             self._attach(peer, sock, buf)
@@ -124,13 +126,24 @@ class TcpTransport(Transport):
 
     # ---------------------------------------------------------------- receiving
     def next_header(self, peer: int, timeout_s: float) -> wire.Header:
+        """``peer``'s next header other than a keep-alive; once its first byte came, the rest must come within
+        ``alive_s`` (``LinkTimeout``), whatever ``timeout_s``."""
         ready = self._ready.pop(peer, None)
         if ready is not None:
             return ready
         deadline = time.monotonic() + timeout_s
-        buf = bytearray(wire.HEADER_BYTES)
         while True:
-            self._read_into(peer, memoryview(buf), deadline)
+            buf = bytearray(wire.HEADER_BYTES)
+            view = memoryview(buf)
+            partial = self._partial.pop(peer, None)
+            if partial:  # begun in ``first``
+                got, begun = len(partial), self._begun.pop(peer)
+                view[:got] = partial
+            else:
+                got = self._read_into(peer, view, deadline, least=1)
+                begun = self._heard[peer]  # when those bytes came
+            if got < wire.HEADER_BYTES:
+                self._read_into(peer, view[got:], min(deadline, begun + self.alive_s), header=True)
             header = wire.decode(buf)
             if header.kind != wire.KIND_PING:
                 return header
@@ -142,21 +155,29 @@ class TcpTransport(Transport):
         return out
 
     def first(self, peers: list[int], timeout_s: float) -> int | None:
+        """The first of ``peers`` whose whole header arrived. A header is taken as its bytes come, from every peer
+        at once, so one trickling its header holds nobody; it must be complete ``alive_s`` after its first byte
+        (``LinkTimeout`` naming that peer)."""
         deadline = time.monotonic() + timeout_s
         while True:
             for peer in peers:
-                if peer in self._ready or self._carry[peer]:
-                    return self._take_header(peer, deadline)
+                if peer in self._ready or (self._carry[peer] and self._pull(peer)):
+                    return peer
+            now = time.monotonic()
+            late = next((p for p in peers if p in self._begun and now - self._begun[p] >= self.alive_s), None)
+            if late is not None:
+                raise LinkTimeout(late, f"the header from global rank {late} was not complete {self.alive_s:g}s "
+                                        "after its first byte")
             silent = min(peers, key=lambda p: self._heard[p])
-            bound = min(deadline, self._heard[silent] + self.alive_s) - time.monotonic()
+            bound = min(deadline, self._heard[silent] + self.alive_s,
+                        *(self._begun[p] + self.alive_s for p in peers if p in self._begun)) - now
             with selectors.DefaultSelector() as sel:
                 for peer in peers:
                     sel.register(self._rx[peer], selectors.EVENT_READ, peer)
                 events = sel.select(min(max(bound, 0.0), threading.TIMEOUT_MAX))  # what arrived counts first
             for key, _ in events:
-                peer = self._take_header(key.data, deadline)
-                if peer is not None:
-                    return peer
+                if self._pull(key.data):
+                    return key.data  # type: ignore[no-any-return]
             if not events:
                 now = time.monotonic()
                 if now - self._heard[silent] >= self.alive_s:
@@ -164,20 +185,46 @@ class TcpTransport(Transport):
                 if now >= deadline:
                     return None
 
-    def _take_header(self, peer: int, deadline: float) -> int | None:
-        """Read ``peer``'s next header (it has bytes) into ``_ready``; ``None`` if it was only a ping."""
-        if peer in self._ready:
-            return peer
-        buf = bytearray(wire.HEADER_BYTES)
-        self._read_into(peer, memoryview(buf), deadline)
-        header = wire.decode(buf)
-        if header.kind == wire.KIND_PING:
-            return None
-        self._ready[peer] = header
-        return peer
+    def _pull(self, peer: int) -> bool:
+        """Take what ``peer`` sent of its next header without waiting (the carry first); True once a whole header
+        other than a keep-alive is in ``_ready``."""
+        buf = self._partial.setdefault(peer, bytearray())
+        carry = self._carry[peer]
+        while True:
+            if carry:
+                n = min(len(carry), wire.HEADER_BYTES - len(buf))
+                buf.extend(carry[:n])
+                del carry[:n]
+            else:
+                chunk = bytearray(wire.HEADER_BYTES - len(buf))
+                sock = self._rx[peer]
+                sock.settimeout(0.0)
+                try:
+                    n = sock.recv_into(chunk)
+                except (BlockingIOError, TimeoutError):
+                    return False
+                except OSError as e:
+                    raise self._closed(peer, e) from None
+                if not n:
+                    raise self._closed(peer, None)
+                buf.extend(chunk[:n])
+                self._heard[peer] = time.monotonic()
+            self._begun.setdefault(peer, time.monotonic())
+            if len(buf) < wire.HEADER_BYTES:
+                continue
+            del self._partial[peer], self._begun[peer]
+            header = wire.decode(buf)
+            if header.kind != wire.KIND_PING:
+                self._ready[peer] = header
+                return True
+            buf = self._partial.setdefault(peer, bytearray())
 
-    def _read_into(self, peer: int, view: memoryview, deadline: float) -> None:
-        """Fill ``view`` from ``peer``'s stream by ``deadline``; ``PeerSilent`` after ``alive_s`` of nothing."""
+    def _read_into(self, peer: int, view: memoryview, deadline: float, least: int | None = None,
+                   header: bool = False) -> int:
+        """Fill ``view`` (``least`` bytes of it, if given) from ``peer``'s stream by ``deadline``; how many bytes.
+        ``PeerSilent`` after ``alive_s`` of nothing; ``LinkTimeout`` at ``deadline`` (``header``: the rest of a
+        header that began, whose bound is ``alive_s`` from its first byte)."""
+        want = len(view) if least is None else least
         got = 0
         carry = self._carry[peer]
         if carry:
@@ -185,7 +232,7 @@ class TcpTransport(Transport):
             view[:got] = carry[:got]
             del carry[:got]
         sock = self._rx[peer]
-        while got < len(view):
+        while got < want:
             now = time.monotonic()
             alive_until = self._heard[peer] + self.alive_s
             # an expired wait still takes what already arrived before it judges: a side that did not read for a
@@ -199,6 +246,9 @@ class TcpTransport(Transport):
                     continue
                 if now >= alive_until:
                     raise self._silent(peer) from None
+                if header:
+                    raise LinkTimeout(peer, f"the header from global rank {peer} was not complete {self.alive_s:g}s "
+                                            "after its first byte") from None
                 raise LinkTimeout(peer, f"nothing from global rank {peer} in time") from None
             except OSError as e:
                 raise self._closed(peer, e) from None
@@ -206,6 +256,7 @@ class TcpTransport(Transport):
                 raise self._closed(peer, None)
             got += n
             self._heard[peer] = time.monotonic()
+        return got
 
     def _silent(self, peer: int) -> PeerSilent:
         return PeerSilent(peer, f"nothing, not even a keep-alive, from global rank {peer} for {self.alive_s:g}s: "
@@ -235,6 +286,8 @@ class TcpTransport(Transport):
         with self._locks[peer]:  # not inside a keep-alive's write
             self._interrupted.add(peer)
             self._ready.pop(peer, None)
+            self._partial.pop(peer, None)
+            self._begun.pop(peer, None)
             try:
                 self._rx[peer].shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -248,6 +301,8 @@ class TcpTransport(Transport):
         with self._locks[peer]:
             self._attach(peer, sock, buf)
             self._ready.pop(peer, None)
+            self._partial.pop(peer, None)
+            self._begun.pop(peer, None)
             self._interrupted.discard(peer)
 
     def _attach(self, peer: int, sock: socket.socket, buf: bytes) -> None:

@@ -32,7 +32,8 @@ from afd_patches.connectors.base import (
     ConnectorTimeout,
     Meta,
 )
-from afd_patches.connectors.torch_dist import CLOSE_WAIT_S, TorchDistConnector
+from afd_patches.connectors.spec import CLOSE_WAIT_S
+from afd_patches.connectors.torch_dist import TorchDistConnector
 from harness.env import free_port
 
 HIDDEN = 16

@@ -5,10 +5,11 @@ Connector layers, lowest first (``afd_patches.connectors``): the contract and th
 transport interface and where sockets are (``wire``, ``transport``, ``arrivals``, ``addresses``); the protocol's
 lines and the group's MAC'd store (``handshake``, ``store``); the authenticated session (``session``); the
 transports, the host's admission and the store's sealing (``tcp``, ``torch_group``, ``admission``,
-``sealing``); what builds on them (``liveness``, ``rendezvous``, ``schedule``);
-``formation``; the connector (``torch_dist``). A module may import its own layer or a lower one, every connector
-module has a layer, nothing in ``connectors`` imports the workers, the models or the patch functions, and no
-package or module of afd_patches imports in a circle (the connector's imports of ``afd_patches.config`` aside).
+``sealing``); what builds on them (``liveness``, ``rendezvous``, ``schedule``, ``spec``); ``formation`` and
+``membership``; ``endpoints``; the connector (``torch_dist``). A module may import its own layer or a lower one,
+every connector module has a layer, nothing in ``connectors`` imports the workers, the models or the patch
+functions, and no package or module of afd_patches imports in a circle (the connector's type-only mention of
+``AfdConfig`` aside).
 Every import counts, also a lazy one or one under ``TYPE_CHECKING``. tests/patchkit/test_layers.py runs
 ``lint-imports`` on the tree; this file breaks each afd contract once in a copy and checks it is named.
 """

@@ -187,7 +187,7 @@ def test_a_store_record_and_a_heartbeat_raise_store_tampered_only(raw: bytes) ->
     with pytest.raises(StoreTampered):
         store.get(liveness.key(1))
     lost: list[int] = []
-    beat = liveness.Heartbeat(store, 0, [1], 10.0, lambda peer, why: lost.append(peer), "test", 0)
+    beat = liveness.Heartbeat(store, 0, [1], 10.0, 1.0, lambda peer, why: lost.append(peer), "test", 0)
     beat._check()
     assert lost == []
 
@@ -199,7 +199,7 @@ def test_a_forged_closed_marker_in_the_store_does_not_hide_a_frozen_peer(
     ``timeout_s``, and the forgery is logged once."""
     inner = _DictStore()
     lost: list[tuple[int, str]] = []
-    beat = liveness.Heartbeat(MacStore(inner, b"k" * 32), 0, [1], 0.3, lambda p, why: lost.append((p, why)),
+    beat = liveness.Heartbeat(MacStore(inner, b"k" * 32), 0, [1], 0.3, 0.075, lambda p, why: lost.append((p, why)),
                               "test", 0)
     t0 = time.monotonic()
     while not lost and time.monotonic() - t0 < 2.0:
@@ -325,8 +325,11 @@ def test_a_tokenless_group_warns_once(monkeypatch: pytest.MonkeyPatch, afd_caplo
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     afd_caplog.set_level(logging.WARNING)
     port = free_port()
-    for _ in range(3):
-        TorchDistConnector(make_config("ffn", 0, port))
+    for _ in range(3):  # the token is read at each formation attempt; a tokenless group warns at the first
+        conn = TorchDistConnector(make_config("ffn", 0, port))
+        with pytest.raises(ConnectorError, match="heard from 0 of 1"):
+            conn.init(0.2)
+        conn.close()
     warned = [r.getMessage() for r in afd_caplog.records if "no token" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "any local user" in warned[0] and f"127.0.0.1:{port}" in warned[0], warned

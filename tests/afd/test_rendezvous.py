@@ -141,8 +141,9 @@ def test_listener_binds_the_configured_host_only() -> None:
 def test_non_loopback_host_without_token_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     t0 = time.monotonic()
+    conn = TorchDistConnector(AfdConfig(role="ffn", host="10.1.2.3", connector_extra_config={"backend": "gloo"}))
     with pytest.raises(ConnectorError) as e:
-        TorchDistConnector(AfdConfig(role="ffn", host="10.1.2.3", connector_extra_config=LinkConfig(backend="gloo")))
+        conn.init()  # the token is read, and the policy judged, at each formation attempt
     assert time.monotonic() - t0 < 1.0
     assert "AFD_TOKEN" in str(e.value) and "token_file" in str(e.value)
     TorchDistConnector(AfdConfig(role="ffn", host="10.1.2.3", allow_unauthenticated=True,
