@@ -47,9 +47,10 @@ Strength
 Policy
     Without a token the group may form only on a loopback ``host``; any other
     host needs a token unless ``allow_unauthenticated`` is set. The host name is
-    resolved once (``resolve``) and that address is what is checked, bound and
-    connected to, so a name that resolves differently later cannot move the
-    group off loopback.
+    resolved once per formation attempt (``resolve``) and that address is what
+    the attempt checks, binds and connects to, so a name that resolves
+    differently later cannot move a formed group off loopback; the next group
+    is judged again by its own answer.
 
 Keys
     ``session_key``: HMAC-SHA256 under the token over both nonces of one

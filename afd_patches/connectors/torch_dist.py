@@ -1,16 +1,17 @@
 """``torch_dist``: the AFD connector, composed of its layers.
 
 Layers (each its own module)
-    ``spec``        ``GroupSpec``: the rank's place, backend and every bound, fixed once from the config (the
-                    connector options parsed there); no I/O. The token and the host name are read by formation
+    ``spec``        ``GroupSpec``: the rank's place, backend and every bound, fixed once from the config and its
+                    typed link settings (``cfg.link``); no I/O. The token and the host name are read by formation
                     at each attempt.
     ``endpoints``   the attention and FFN halves of the exchange and their shared plumbing (typed errors).
     ``membership``  the FFN side's members: closed, dropped, held, aligned, taken back.
     ``formation``   the rendezvous, then the transport the backend needs.
-    ``session``     the one authenticated protocol of rendezvous and data links (admission, proofs, MAC'd
-                    messages); ``rendezvous`` forms the group on top of it (compare, verdict, group id).
+    ``handshake``, ``session``, ``admission``: the one authenticated protocol of rendezvous and data links (its
+                    lines and proofs, MAC'd messages, the host's admission); ``rendezvous`` forms the group on
+                    top of it (compare, verdict, group id).
     ``transport``   the interface and typed errors; ``tcp`` (sockets, CPU default) and ``torch_group``
-                    (gloo, NCCL; store records MAC'd) implement it.
+                    (gloo, NCCL over ``store``: records MAC'd, ``sealing``, ``addresses``) implement it.
     ``wire``        the header: encoding and the checks made before anything is allocated.
     ``schedule``    how an FFN rank takes its served ranks' messages (``batched``, ``pingpong``).
     ``liveness``    heartbeats for gloo/NCCL (tcp keeps its own alive on the links).
@@ -20,7 +21,7 @@ Group
     ``host:port`` (the host resolved once per formation attempt, ``auth.resolve``). On ``tcp`` every link is an
     authenticated session's socket: attention ranks served by FFN rank 0 keep their rendezvous session as their link;
     those served by another FFN rank open a data session at the address that rank advertised inside its
-    own session with FFN rank 0 (``options.advertise``, else its bound address and ``data_port``). On gloo
+    own session with FFN rank 0 (``connector_extra_config.advertise``, else its bound address and ``data_port``). On gloo
     and NCCL the group is built over FFN rank 0's ``TCPStore`` with every record MAC'd.
 
 Messages

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from afd_patches import AfdConfigError
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import auth, formation
 from afd_patches.connectors.base import ConnectorError
@@ -38,8 +39,10 @@ def test_the_spec_places_the_rank_and_derives_every_bound() -> None:
     assert dataclasses.is_dataclass(spec)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.timeout_s = 1.0  # type: ignore[misc]
-    with pytest.raises(SpecError, match="micro_batches"):
-        GroupSpec.of(_cfg(extra={"micro_batches": 9}))
+    with pytest.raises(AfdConfigError, match="micro_batches"):  # the link is typed and checked with the config
+        _cfg(extra={"micro_batches": 9})
+    with pytest.raises(SpecError, match="multiple"):  # a config built directly is placed by the spec
+        GroupSpec.of(_cfg(num_attention_ranks=3))
 
 
 def test_the_connector_constructor_reads_no_token_and_resolves_no_name(monkeypatch: pytest.MonkeyPatch,
