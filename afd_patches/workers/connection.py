@@ -4,7 +4,7 @@ Contract: ``model_identity`` is what both roles must agree on before they exchan
 and the AFD model, the same on both roles for the same checkpoint and settings); ``build_connector`` makes,
 without connecting, the connector class that ``cfg.connector`` names in ``afd_patches.connectors.REGISTRY``,
 carrying that identity. Both role workers (``afd_patches.workers.attention``, ``afd_patches.workers.ffn``)
-build every connector of every group through it, and so does the attention side's ``GroupKeeper``.
+build every connector of every group through it (``afd_patches.workers.regroup.FormationLoop``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 What it runs
     Two processes, an FFN rank and an attention rank, on the real ``TorchDistConnector``
     (``afd_patches/connectors/torch_dist.py``) and the real FFN serve loop
-    (``FfnRoleMixin._afd_serve`` of ``afd_patches/workers/ffn.py``, in its own thread, on a
-    stand-in worker that holds a bf16 MLP). The connector builds its gloo/NCCL group from torch's own
+    (``FfnServer`` of ``afd_patches/workers/ffn_server.py``, the FFN worker's own, serving a
+    stand-in bf16 MLP). The connector builds its gloo/NCCL group from torch's own
     classes, so vLLM need not be installed.
 
     ``exchange`` (call 1, about 1-2 minutes on one GPU):

@@ -75,7 +75,7 @@ def steady_attention(cfg: AfdConfig, done: Any, queue: Any) -> None:
 def stalling_attention(cfg: AfdConfig, stall_at: int, after: int, done: Any, queue: Any) -> None:
     """Rank 0: ``stall_at`` steps, a stall of ``STALL_S`` (no step; the keep-alive thread runs on), then
     ``after`` more steps. A ``ConnectorDropped`` on resuming is recorded, and a new connector re-joins the
-    group, as the attention worker's ``GroupKeeper`` does; steps keep their own numbering."""
+    group, as the attention worker's ``AttentionGroup`` does; steps keep their own numbering."""
     torch.set_num_threads(1)
     conn = TorchDistConnector(cfg)
     result: dict[str, Any] = {"error": None, "mismatches": 0, "dropped": None, "served_after": 0}

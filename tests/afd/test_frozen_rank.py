@@ -61,7 +61,7 @@ def sibling(cfg: AfdConfig, done: Any, queue: Any) -> None:
 def freezing(cfg: AfdConfig, freeze_at: int, after: int, frozen: Any, done: Any, queue: Any) -> None:
     """``freeze_at`` steps, the send of layer 0 of the next, ``SIGSTOP`` to itself (the test continues it), then
     steps on until ``after`` more were served; a ``ConnectorDropped`` is recorded and a new connector re-joins, as
-    the attention worker's ``GroupKeeper`` does (steps keep their own numbering)."""
+    the attention worker's ``AttentionGroup`` does (steps keep their own numbering)."""
     torch.set_num_threads(1)
     conn = TorchDistConnector(cfg)
     result: dict[str, Any] = {"error": None, "mismatches": 0, "dropped": None, "served_after": 0}
