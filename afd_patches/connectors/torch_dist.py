@@ -21,8 +21,8 @@ Group
     ``host:port`` (the host resolved once per formation attempt, ``auth.resolve``). On ``tcp`` every link is an
     authenticated session's socket: attention ranks served by FFN rank 0 keep their rendezvous session as their link;
     those served by another FFN rank open a data session at the address that rank advertised inside its
-    own session with FFN rank 0 (``connector_extra_config.advertise``, else its bound address and ``data_port``). On gloo
-    and NCCL the group is built over FFN rank 0's ``TCPStore`` with every record MAC'd.
+    own session with FFN rank 0 (``connector_extra_config.advertise``, else its bound address and
+    ``data_port``). On gloo and NCCL the group is built over FFN rank 0's ``TCPStore`` with every record MAC'd.
 
 Messages
     One header (``wire``) per tensor, carrying layer, step and micro-batch; a zero-row tensor (an idle
