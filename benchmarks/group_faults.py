@@ -37,12 +37,15 @@ import threading
 import time
 from typing import Any
 
-from benchmarks import record
-from harness.env import free_port
-
 TIMEOUT_S = 2.0
 NAME = "afd-ffn.benchmark.internal"  # resolved by this process's stand-in resolver only
 NEVER_S = 30.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _ffn(x: Any) -> Any:
@@ -125,7 +128,7 @@ def dns(outage_s: float) -> dict[str, Any]:
 
     outage = threading.Event()
     _resolver(outage)
-    port = free_port()
+    port = _free_port()
     extra = {"connector_extra_config": {"backend": "tcp"}}
     ffn_cfg = AfdConfig(role="ffn", host="127.0.0.1", port=port, timeout_s=TIMEOUT_S, **extra)
     attn_cfg = AfdConfig(role="attention", host=NAME, port=port, timeout_s=TIMEOUT_S, **extra)
@@ -167,10 +170,9 @@ def dns(outage_s: float) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ frozen
-def _frozen_ffn(cfg: Any, done: Any) -> None:
-    stop = threading.Event()
-    threading.Thread(target=lambda: (done.wait(), stop.set()), daemon=True).start()
-    _serve(cfg, stop)
+def _frozen_ffn(cfg: Any) -> None:
+    """The FFN process: one group, served until it ends (the parent terminates it at the end of the run)."""
+    _serve(cfg, threading.Event())
 
 
 def _frozen_attention(cfg: Any, run_s: float, go: Any, out: Any) -> None:
@@ -184,8 +186,9 @@ def _frozen_attention(cfg: Any, run_s: float, go: Any, out: Any) -> None:
     conn = TorchDistConnector(cfg)
     result: dict[str, Any] = {"rank": cfg.rank, "longest_s": 0.0, "steps": 0, "error": None}
     try:
-        conn.init(30.0)
-        go.wait(30)
+        conn.init(60.0)
+        out.put({"ready": cfg.rank})
+        go.wait(60)
         end = time.monotonic() + run_s
         while time.monotonic() < end:
             result["longest_s"] = max(result["longest_s"], _exchange(conn, result["steps"], cfg.rank))
@@ -202,38 +205,42 @@ def frozen(schedule: str) -> dict[str, Any]:
     from afd_patches.config import AfdConfig
 
     ctx = mp.get_context("spawn")
-    port = free_port()
+    port = _free_port()
     extra = {"backend": "tcp", "schedule": schedule}
 
     def cfg(role: str, rank: int) -> Any:
         return AfdConfig(role=role, host="127.0.0.1", port=port, rank=rank, num_attention_ranks=2, timeout_s=TIMEOUT_S,
                          connector_extra_config=extra)
 
-    done, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    go, out = ctx.Event(), ctx.Queue()
     freeze_s = 3 * TIMEOUT_S
     run_s = freeze_s + 4 * TIMEOUT_S
-    procs = [ctx.Process(target=_frozen_ffn, args=(cfg("ffn", 0), done), daemon=True)]
+    procs = [ctx.Process(target=_frozen_ffn, args=(cfg("ffn", 0),), daemon=True)]
     procs += [ctx.Process(target=_frozen_attention, args=(cfg("attention", r), run_s, go, out), daemon=True)
               for r in range(2)]
     for p in procs:
         p.start()
+    results: dict[int, dict[str, Any]] = {}
     try:
-        time.sleep(1.0)
+        for _ in range(2):  # both ranks formed the group (spawned processes import torch first)
+            r = out.get(timeout=120)
+            if "ready" not in r:
+                results[r["rank"]] = r  # failed before it was ready
         go.set()
         time.sleep(1.0)
         os.kill(procs[2].pid, signal.SIGSTOP)
         time.sleep(freeze_s)
         os.kill(procs[2].pid, signal.SIGCONT)
-        results = {}
-        for _ in range(2):
+        while len(results) < 2:
             r = out.get(timeout=run_s + 60)
             results[r["rank"]] = r
-    finally:
-        done.set()
-        for p in procs:
+    finally:  # no event to end the FFN: an mp.Event's set() hangs on a waiter whose process has exited
+        for p in procs[1:]:
             p.join(10)
+        for p in procs:
             if p.is_alive():
                 p.kill()
+            p.join(10)
     return {"schedule": schedule, "freeze_s": freeze_s, "rank0_longest_s": results[0]["longest_s"],
             "rank0_steps": results[0]["steps"], "rank0_error": results[0]["error"], "rank1_error": results[1]["error"]}
 
@@ -245,13 +252,12 @@ def _child(scenario: str, arg: str) -> None:
 
 
 def run_tree(src: str | None, scenario: str, arg: str) -> dict[str, Any]:
-    """One scenario in a fresh process importing ``afd_patches`` from ``src`` (None: this checkout)."""
-    env = dict(os.environ)
-    if src:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.getcwd(), env.get("PYTHONPATH", "")) if p)
-    code = "import sys; from benchmarks.group_faults import _child; _child(sys.argv[1], sys.argv[2])"
-    proc = subprocess.run([sys.executable, "-c", code, scenario, arg], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
+    """One scenario in a fresh process that imports ``afd_patches`` from ``src`` (None: this checkout): this file
+    runs by its path there, so nothing of this checkout but the file itself is on its path."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": src or repo}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", scenario, arg], capture_output=True,
+                          text=True, env=env, timeout=300, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         return {"failed": (proc.stderr or proc.stdout)[-600:]}
@@ -263,6 +269,11 @@ def _show(value: float | None) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        _child(sys.argv[2], sys.argv[3])
+        return
+    from benchmarks import record
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", metavar="DIR", help="another checkout to measure in the same run")
     parser.add_argument("--outage-s", type=float, default=2.0)
