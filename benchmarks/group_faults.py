@@ -281,25 +281,34 @@ def main() -> None:
     args = parser.parse_args()
     trees = [("before", args.baseline), ("after", None)] if args.baseline else [("current", None)]
     figures = []
+    before: dict[str, str] = {}  # the baseline's outcome per figure, kept as the figure's detail
     for name, src in trees:
         d = run_tree(src, "dns", str(args.outage_s))
         print(f"{name}: FFN restart with a {args.outage_s:g} s name-resolution outage: first exact exchange "
               f"{_show(d.get('recovery_s'))} after the FFN was back (goal <= {2 * TIMEOUT_S:g} s) "
               f"{d.get('failed', '')}", flush=True)
-        if name != "before":
+        if name == "before":
+            before["dns_recovery_s"] = f"before ({args.baseline}): {_show(d.get('recovery_s'))}"
+        else:
             figures.append(record.Figure("dns_recovery_s", "FFN restart with a 2 s name-resolution outage: FFN back "
                                          "to the first exact exchange (timeout_s 2)",
-                                         d.get("recovery_s") or NEVER_S, "s"))
+                                         d.get("recovery_s") or NEVER_S, "s", detail=before.get("dns_recovery_s", "")))
         for schedule in ("batched", "pingpong"):
             f = run_tree(src, "frozen", schedule)
-            print(f"{name}: 2A1F {schedule}, rank 1 frozen {3 * TIMEOUT_S:g} s: rank 0's longest wait "
-                  f"{_show(f.get('rank0_longest_s'))} (goal <= {2 * TIMEOUT_S:g} s), {f.get('rank0_steps')} steps, "
-                  f"rank 0 error: {f.get('rank0_error')}; rank 1 on thaw: {f.get('rank1_error')} "
-                  f"{f.get('failed', '')}", flush=True)
-            if name != "before":
-                figures.append(record.Figure(f"frozen_{schedule}_longest_s", f"2A1F {schedule}: the busy rank's "
-                                             "longest wait while its sibling is SIGSTOPped (timeout_s 2)",
-                                             f.get("rank0_longest_s") or NEVER_S, "s"))
+            ended = f.get("rank0_error")
+            outcome = (f"the group ended under rank 0 ({str(ended)[:60]}...)" if ended else
+                       f"rank 0's longest wait {_show(f.get('rank0_longest_s'))}, group lived on")
+            print(f"{name}: 2A1F {schedule}, rank 1 frozen {3 * TIMEOUT_S:g} s: {outcome} (goal: lives on, wait <= "
+                  f"{2 * TIMEOUT_S:g} s), {f.get('rank0_steps')} steps; rank 1 on thaw: "
+                  f"{str(f.get('rank1_error'))[:90]} {f.get('failed', '')}", flush=True)
+            key = f"frozen_{schedule}_longest_s"
+            if name == "before":
+                before[key] = f"before ({args.baseline}): {'the group ended' if ended else outcome}"
+            else:
+                figures.append(record.Figure(key, f"2A1F {schedule}: the busy rank's longest wait while its sibling "
+                                             "is SIGSTOPped (timeout_s 2; the group lives on)",
+                                             NEVER_S if ended else f.get("rank0_longest_s") or NEVER_S, "s",
+                                             detail=before.get(key, "")))
     if args.record:
         record.write("group_faults", figures)
 
