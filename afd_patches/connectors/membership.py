@@ -8,8 +8,10 @@ header not complete ``timeout_s`` after its first byte (a trickle). A dropped ra
 for again; on FFN rank 0 of a tcp group serving several ranks (``GroupSpec.takes_back``) it re-joins the live
 group (``readmit``, through ``rendezvous.Rejoins``) with a new link.
 
-Step numbering: a re-joined rank numbers its steps its own way. Until its first header fixes its offset
-(``align``, ``batched`` only) it is not *aligned*; headers held for a later batch (``hold``) are returned first
+Step numbering: a re-joined rank numbers its steps its own way, and so does every member of a new group under
+``batched`` with several members (attention engines that outlived an FFN restart keep counting from where their
+last group ended, each from its own number). Until its first header fixes its offset (``align``, ``batched``
+only) it is not *aligned*; headers held for a later batch (``hold``) are returned first
 (``take_held``). ``to_group``/``to_own`` convert a step between the rank's numbering and the group's.
 
 Threads: one, the FFN rank's serving thread (``is_dropped`` may be read from the heartbeat thread).
@@ -38,6 +40,10 @@ class Membership:
         self._closed: set[int] = set()
         self._dropped: dict[int, str] = {}  # peer -> why
         self._offset: dict[int, int | None] = {}  # peer -> its step minus the group's (None: not aligned yet)
+        if spec.schedule == "batched" and len(spec.peers) > 1:
+            # a new group's attention ranks keep their own step numbers from earlier groups (an FFN restart): each
+            # is aligned at its first header, as a re-joined rank is
+            self._offset = dict.fromkeys(spec.peers, None)
         self._held: dict[int, wire.Header] = {}  # re-joined peers' headers waiting for a step boundary
         self._next_step = 0  # the group's step after the last one served
 

@@ -207,3 +207,40 @@ def test_nccl_first_polls_every_posted_receive() -> None:
     transport._arrived.clear()
     t0 = time.monotonic()
     assert transport.first([1], 0.2) is None and 0.2 <= time.monotonic() - t0 < 1.0
+
+
+def counting_attention(cfg: AfdConfig, first_step: int, steps: int, queue: Any) -> None:
+    """An attention rank of a new group whose step numbers go on from an earlier group (``first_step``), as an
+    attention engine's do after an FFN restart: ``steps`` steps, each answer checked."""
+    torch.set_num_threads(1)
+    conn = TorchDistConnector(cfg)
+    result: dict[str, Any] = {"error": None, "mismatches": 0, "steps": 0}
+    try:
+        conn.init(FORM_S)
+        for step in range(first_step, first_step + steps):
+            result["mismatches"] += _step(conn, cfg.rank, step, 2)[0]
+            result["steps"] += 1
+    except ConnectorError as e:
+        result.update(_error_fields(e))
+    conn.close()
+    queue.put((f"attention{cfg.rank}", result))
+
+
+def test_batched_serves_a_new_group_whose_ranks_count_steps_from_different_numbers() -> None:
+    """After an FFN restart the attention engines re-form with their step counters where their last group left
+    them, which differ between ranks (idle ticks, a failed step): the new group aligns each rank at its first
+    header and serves both exactly. Before, the first batch failed "attention ranks out of step" and every
+    re-formed group ended at once (the chaos benchmark, 2A1F)."""
+    port = free_port()
+    queue = _CTX.Queue()
+    cfgs = {(role, r): make_config(role, r, port, a=2, timeout_s=TIMEOUT_S, backend="tcp", schedule="batched")
+            for role, r in (("ffn", 0), ("attention", 0), ("attention", 1))}
+    procs = [start(logged_ffn_worker, cfgs["ffn", 0], queue, None, None, FORM_S),
+             start(counting_attention, cfgs["attention", 0], 1880, 6, queue),
+             start(counting_attention, cfgs["attention", 1], 1122, 6, queue)]
+    got = collect(queue, {"ffn0", "attention0", "attention1"}, RUN_S + 30)
+    _join_all(procs, 10)
+    for rank in (0, 1):
+        r = got[f"attention{rank}"]
+        assert r["error"] is None and r["mismatches"] == 0 and r["steps"] == 6, r
+    assert got["ffn0"]["error"] == "ConnectorClosed", got["ffn0"]
