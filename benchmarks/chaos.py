@@ -163,14 +163,17 @@ def table(title: str, phases: list[Phase], timeout_s: float) -> str:
 
 
 def figures(family: str, phases: list[Phase], timeout_s: float) -> list[record.Figure]:
+    """Per phase its recovery (the counts in the detail); per deployment the requests that broke a goal."""
     out = []
     for p in phases:
-        detail = ", ".join(f"{k} {p.counts[k]}" for k in KINDS) + f"; gauge wrong {p.gauge_wrong_s:.1f}s"
+        detail = ", ".join(f"{k} {p.counts[k]}" for k in KINDS) + f"; gauge wrong {p.gauge_wrong_s:.1f}s; " + (
+            "met" if met(p, timeout_s) else "MISSED")
         out.append(record.Figure(f"{family}_{p.name}_recovery_s", f"{family} {RANKS[family]}A1F, {p.name}: fault end "
                                  f"to every attention server's first exact answer (timeout_s {timeout_s:g})",
                                  RECOVERY_CAP_S if p.recovery_s is None else p.recovery_s, "s", 1, detail))
-        out.append(record.Figure(f"{family}_{p.name}_bad", f"{family}, {p.name}: requests wrong, lost, hung or failed "
-                                 "without naming the cause", sum(p.counts[k] for k in BAD), "requests", 0))
+    out.append(record.Figure(f"{family}_bad", f"{family} {RANKS[family]}A1F, whole schedule: requests wrong, lost, "
+                             "hung or failed without naming the cause", sum(p.counts[k] for p in phases for k in BAD),
+                             "requests", 0, f"of {sum(sum(p.counts.values()) for p in phases)}"))
     return out
 
 

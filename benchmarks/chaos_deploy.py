@@ -4,7 +4,8 @@
 listening on its namespace's address, port ``API_PORT``; the attention servers reach the FFN by the name ``NAME``
 (each namespace's hosts file maps it to the FFN's address), ``--afd-port`` ``AFD_PORT``, ``--afd-timeout-s``
 ``timeout_s``, a group token file (mode 0600). Every server's ``TMPDIR`` (where the API server makes
-``AFD_METRICS_DIR``) and ``AFD_TRACE_DIR`` lie on one small tmpfs (``diag``), so that a fault can fill it. A
+``AFD_METRICS_DIR``) and ``AFD_TRACE_DIR`` lie on one small tmpfs (``diag``), so that a fault can fill it;
+``VLLM_CPU_OMP_THREADS_BIND`` is ``nobind`` unless the environment sets it. A
 namespace ``stranger`` is made for the trickling stranger. ``down`` holds the labels of servers being killed or
 restarted (the load counts a refused connection to one of them as ``cut``, not ``lost``).
 
@@ -123,7 +124,7 @@ class Deployment:
         self.token = work / "afd-token"
         self.token.write_text(secrets.token_hex(32))
         self.token.chmod(0o600)
-        self.diag = lab.tmpfs(work / "diag", diag_size)
+        self.diag = lab.tmpfs(diag_size)
         self.servers: dict[str, Server] = {}
 
     @property
@@ -157,6 +158,9 @@ class Deployment:
         if not (tmp / inductor.name).is_symlink():
             (tmp / inductor.name).symlink_to(inductor)
         env = vllm_env(PYTHONUNBUFFERED="1", TMPDIR=str(tmp), AFD_TRACE_DIR=str(trace))
+        # vLLM's default binding (``auto``) puts every engine's worker on core 0 of this 2-core host, where a
+        # restarting FFN waited minutes behind the attention worker's busy-poll; the namespaces stand for hosts
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         return env
 

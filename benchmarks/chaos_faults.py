@@ -12,8 +12,8 @@ diagnostics filesystem emptied of its filler. ``T`` below is the deployment's ``
              2 s after the link is back.
 ``disk``     the tmpfs holding every server's trace and metrics directories is filled to the last byte for 5 s.
 ``link``     the FFN namespace's ``eth0`` down for 5 s.
-``trickle``  a stranger in its own namespace opens 4 connections to the FFN's AFD port and sends one byte on each
-             every 0.5 s for 8 s.
+``trickle``  a stranger in its own namespace holds 4 connections to the FFN's AFD port (a dropped one is opened
+             again) and sends one byte on each every 0.5 s for 8 s.
 ``no_step``  the main thread of an attention engine core (the one that steps) is held for 3 T through ptrace
              (``PTRACE_SEIZE`` + ``PTRACE_INTERRUPT`` stop that thread alone); its other threads, the connector's
              keep-alive sender among them, run on. The FFN's serve thread has no name visible from outside
@@ -123,19 +123,18 @@ def link(d: Deployment) -> float:
 _TRICKLE = """
 import socket, sys, time
 host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-socks = []
-for _ in range(4):
-    try:
-        socks.append(socket.create_connection((host, port), timeout=2))
-    except OSError:
-        pass
+socks = [None] * 4
 end = time.monotonic() + seconds
 while time.monotonic() < end:
-    for s in socks:
+    for i, s in enumerate(socks):
         try:
+            if s is None:
+                s = socks[i] = socket.create_connection((host, port), timeout=1)
             s.send(b"\\x17")
         except OSError:
-            pass
+            if s is not None:
+                s.close()
+            socks[i] = None
     time.sleep(0.5)
 """
 

@@ -13,7 +13,9 @@ after another, until ``stop()``. Each request becomes one ``Outcome``, classifie
 ``cut``      the connection was refused or reset while its server was deliberately down (``down`` names it);
 ``hung``     no chunk for ``timeout_s`` (the client's read timeout).
 
-A stream pauses ``RETRY_PAUSE_S`` after a request that did not end ``exact``. ``Sampler`` reads every attention
+After a request that did not end ``exact`` a stream pauses, ``RETRY_PAUSE_S`` doubled per failure in a row up to
+``RETRY_CAP_S`` (as a client retrying with backoff: failing requests still step the engine, and on 2 cores their
+busy-polling workers take CPU from a restarting FFN). ``Sampler`` reads every attention
 server's ``vllm:afd_group_up`` and ``vllm:afd_metrics_stale`` every ``SAMPLE_S``; ``gauge_wrong_s`` judges the
 samples against the requests: a server is up at ``t`` when a request to it ended ``exact`` within ``WINDOW_S``
 and none failed there, down when one failed and none was exact, unknown otherwise (then no sample is judged).
@@ -28,7 +30,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-RETRY_PAUSE_S = 0.25
+RETRY_PAUSE_S, RETRY_CAP_S = 0.25, 1.0
 SAMPLE_S = 0.5
 WINDOW_S = 1.0
 FAILED = ("named", "unnamed", "cut")
@@ -84,14 +86,15 @@ class Load:
             await c.close()
 
     async def _stream(self, i: int, label: str, client: object) -> None:
-        k = 0
+        k = failures = 0
         while not self._stop.is_set():
             j = (i + k) % len(self.prompts)
             k += 1
             outcome = await self._one(label, client, j)
             self.outcomes.append(outcome)
-            if outcome.kind != "exact":
-                await asyncio.sleep(RETRY_PAUSE_S)
+            failures = 0 if outcome.kind == "exact" else failures + 1
+            if failures:
+                await asyncio.sleep(min(RETRY_PAUSE_S * 2 ** (failures - 1), RETRY_CAP_S))
 
     async def _one(self, label: str, client: object, j: int) -> Outcome:
         import openai

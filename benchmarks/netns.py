@@ -3,9 +3,9 @@
 ``Lab`` makes, on entry: a bridge in the root namespace with the first address of a free ``10.231.X.0/24``; per
 ``add(name)`` a namespace ``afdc<id>-<name>`` whose ``eth0`` (one end of a veth pair, the other on the bridge) holds
 the next address, its loopback up, and ``/etc/netns/<namespace>/hosts`` (``ip netns exec`` bind-mounts it over
-``/etc/hosts``, so names resolve per namespace). ``tmpfs(path, size)`` mounts a small tmpfs. ``close()`` (also on
-``__exit__``) removes everything ``Lab`` made, in reverse order, each step on its own (one failing does not keep
-the rest); processes are the caller's to stop first. The root namespace reaches every namespace address through
+``/etc/hosts``, so names resolve per namespace). ``tmpfs(size)`` mounts a small tmpfs on a new folder. ``close()``
+(also on ``__exit__``) removes everything ``Lab`` made, in reverse order, each step on its own (one failing does not
+keep the rest); processes are the caller's to stop first. The root namespace reaches every namespace address through
 the bridge; nothing is routed beyond it.
 
 Limits: Linux, root (``CAP_NET_ADMIN``, ``CAP_SYS_ADMIN``) and ``ip`` (iproute2). Raises ``LabError`` when a
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 from types import TracebackType
 
@@ -113,9 +114,11 @@ class Lab:
         """``argv`` run inside namespace ``name``."""
         return ["ip", "netns", "exec", self.ns(name), *argv]
 
-    def tmpfs(self, path: Path, size: str) -> Path:
-        """A tmpfs of ``size`` (e.g. ``64m``) mounted at ``path`` (made if missing); ``path``."""
-        path.mkdir(parents=True, exist_ok=True)
+    def tmpfs(self, size: str) -> Path:
+        """A tmpfs of ``size`` (e.g. ``64m``) mounted on a new folder under /tmp (a short path: vLLM's IPC sockets
+        under a ``TMPDIR`` there must fit ``sun_path``'s 107 bytes); the folder."""
+        path = Path(tempfile.mkdtemp(prefix=f"{self.tag}-", dir="/tmp"))
+        self._undo.append(("rmdir", str(path)))
         proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
