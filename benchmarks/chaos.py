@@ -59,6 +59,7 @@ class Phase:
     gauge_wrong_s: float = 0.0
     stale_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    fault_error: str = ""  # the fault could not be made (then the phase misses its goals)
 
 
 def model(family: str, root: Path) -> Path:
@@ -103,8 +104,13 @@ def run_schedule(d: Deployment, load: Load, faults: list[str]) -> list[Phase]:
     for name in ["steady", *faults]:
         start = time.monotonic()
         time.sleep(PRE_S)
-        fault_end = FAULTS[name](d) if name != "steady" else time.monotonic()
+        error = ""
+        try:
+            fault_end = FAULTS[name](d) if name != "steady" else time.monotonic()
+        except Exception as e:  # noqa: BLE001 -- the fault could not be made: noted, the schedule goes on
+            error, fault_end = f"the fault failed: {type(e).__name__}: {e}", time.monotonic()
         phase = Phase(name, start, fault_end, first_exact_after(load, d.attention, fault_end, RECOVERY_CAP_S))
+        phase.fault_error = error
         time.sleep(POST_S)
         for label, server in d.servers.items():
             if server.proc.poll() is not None:
@@ -145,7 +151,7 @@ def judge(phases: list[Phase], load: Load, sampler: Sampler) -> None:
 
 def met(p: Phase, timeout_s: float) -> bool:
     recovered = p.recovery_s is not None and p.recovery_s <= 2 * timeout_s
-    return recovered and not any(p.counts[k] for k in BAD) and p.gauge_wrong_s <= timeout_s
+    return recovered and not any(p.counts[k] for k in BAD) and p.gauge_wrong_s <= timeout_s and not p.fault_error
 
 
 def table(title: str, phases: list[Phase], timeout_s: float) -> str:
@@ -158,7 +164,7 @@ def table(title: str, phases: list[Phase], timeout_s: float) -> str:
                      + f"{rec:>10s}{p.gauge_wrong_s:6.1f}s{p.stale_s:6.1f}s  {verdict}")
     lines.append(f"goals: wrong, lost, hung, unnamed 0; recovery <= {2 * timeout_s:g}s; gauge <= {timeout_s:g}s")
     for p in phases:
-        lines += [f"  {p.name}: {n}" for n in p.notes]
+        lines += [f"  {p.name}: {n}" for n in ([p.fault_error] if p.fault_error else []) + p.notes]
     return "\n".join(lines)
 
 
@@ -188,10 +194,6 @@ def run_family(lab: Lab, family: str, args: argparse.Namespace, work: Path,
                                           args.faults)
     title = (f"{family} {RANKS[family]}A1F, {args.streams} streams x {args.max_tokens} tokens, timeout_s "
              f"{args.timeout_s:g}, up in {up_s:.0f}s{'' if settled else '; requests still open at the end'}")
-    if args.logs:
-        args.logs.mkdir(parents=True, exist_ok=True)
-        for log in work.glob(f"{family}-*.log"):
-            shutil.copy(log, args.logs / log.name)
     d.stop_all()
     return table(title, phases, args.timeout_s), figures(family, phases, args.timeout_s)
 
@@ -231,6 +233,10 @@ def main() -> None:
         for step in reversed(cleanup):
             with contextlib.suppress(Exception):
                 step()
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for log in work.glob("*.log"):
+                shutil.copy(log, args.logs / log.name)
         shutil.rmtree(work, ignore_errors=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.record:

@@ -97,19 +97,15 @@ def token(d: Deployment) -> float:
 
 def disk(d: Deployment, seconds: float = 5.0) -> float:
     filler = d.diag / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        with filler.open("wb") as fh:
-            block = b"\0" * (1 << 20)
+        for size in (1 << 20, 4096):  # megabytes, then the last pages
             with contextlib.suppress(OSError):
                 while True:
-                    fh.write(block)
-                    fh.flush()
-            with contextlib.suppress(OSError):
-                while True:  # the last bytes, one page at a time
-                    fh.write(block[:4096])
-                    fh.flush()
+                    os.write(fd, b"\0" * size)
         time.sleep(seconds)
     finally:
+        os.close(fd)
         with contextlib.suppress(OSError):
             filler.unlink()
     return time.monotonic()
