@@ -115,7 +115,10 @@ def run_schedule(d: Deployment, load: Load, faults: list[str]) -> list[Phase]:
         for label, server in d.servers.items():
             if server.proc.poll() is not None:
                 phase.notes.append(f"{label} exited {server.proc.returncode}: {server.tail(600)}")
-                d.restart(label)
+                try:
+                    d.restart(label)
+                except RuntimeError as e:
+                    phase.notes.append(f"{label} did not start again: {str(e)[-600:]}")
         phase.end = time.monotonic()
         phases.append(phase)
     return phases
@@ -145,7 +148,9 @@ def judge(phases: list[Phase], load: Load, sampler: Sampler) -> None:
         until = phases[i + 1].start if i + 1 < len(phases) else float("inf")
         mine = [o for o in load.outcomes if p.start <= o.start < until]
         p.counts = Counter(o.kind for o in mine)
-        p.notes += sorted({f"{o.kind}: {o.detail}" for o in mine if o.kind in BAD})[:3]
+        bad = sorted((o for o in mine if o.kind in BAD), key=lambda o: o.end)
+        p.notes += [f"{o.kind} at +{o.end - p.start:.1f}s (fault ended +{p.fault_end - p.start:.1f}s), {o.server}: "
+                    f"{o.detail}" for o in bad[:3]]
         p.gauge_wrong_s, p.stale_s = gauge_judgement(sampler.samples, load.outcomes, p.start, p.end)
 
 

@@ -35,6 +35,7 @@ NAME = "ffn.afd.test"
 API_PORT = 8000
 AFD_PORT = 29650
 START_TIMEOUT_S = 400.0
+GATE = "Starting to load model"  # vLLM worker log line, just before the AFD group forms
 ARCH = {"llama": "AFDLlamaForCausalLM", "qwen3_moe": "AFDQwen3MoeForCausalLM"}
 
 
@@ -165,15 +166,42 @@ class Deployment:
         return env
 
     def start(self) -> float:
-        """Start every server at once (the attention servers form their group once the FFN's is up); seconds until
-        all are healthy."""
+        """Start the FFN server, then (once it is healthy) every attention server, held together at their first
+        formation (``_gate``); seconds until all are healthy."""
         t0 = time.monotonic()
-        for label in ("ffn", *self.attention):
-            self.servers[label] = Server(self.lab, label, self._args(label), self._env(label),
-                                         self.work / f"{self.family}-{label}.log")
-        for s in self.servers.values():
+        self.servers["ffn"] = self._server("ffn")
+        self.servers["ffn"].wait_healthy()
+        attention = {label: self._server(label) for label in self.attention}
+        self.servers.update(attention)
+        if len(attention) > 1:
+            self._gate(list(attention.values()))
+        for s in attention.values():
             s.wait_healthy()
         return time.monotonic() - t0
+
+    def _server(self, label: str) -> Server:
+        return Server(self.lab, label, self._args(label), self._env(label), self.work / f"{self.family}-{label}.log")
+
+    @staticmethod
+    def _gate(servers: list[Server], timeout_s: float = START_TIMEOUT_S) -> None:
+        """SIGSTOP each attention server when its worker starts loading the model (vLLM logs ``GATE``), SIGCONT all
+        once every one has. An attention engine waits at most ``timeout_s`` for its *first* group (the worker's
+        ``AttentionGroup.start``), and a 2A1F group needs both ranks: servers started together on 2 busy cores
+        reach that point seconds apart, and the first one's engine then fails to start."""
+        held: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(held) < len(servers) and time.monotonic() < deadline:
+                for i, s in enumerate(servers):
+                    if i not in held and GATE in s.tail(1 << 20):
+                        s.signal(signal.SIGSTOP)
+                        held.add(i)
+                    elif s.proc.poll() is not None:
+                        raise RuntimeError(f"{s.label} exited {s.proc.returncode}:\n{s.tail()}")
+                time.sleep(0.05)
+        finally:
+            for s in servers:
+                s.signal(signal.SIGCONT)
 
     def urls(self) -> dict[str, str]:
         return {label: self.servers[label].url for label in self.attention}
