@@ -119,10 +119,10 @@ class AttentionRoleMixin(RoleBase):
         lock = self._afd_model().afd_link().lock
         locked = lock.acquire(timeout=5.0)
         try:
-            stats = self._afd_common_stats("attention")
-            if self._afd_group is not None:
-                stats["messages_sent"], stats["messages_received"] = self._afd_group.messages()
-                stats["group"] = self._afd_group.status()
+            group = self._afd_group
+            stats = self._afd_common_stats("attention", group.messages() if group is not None else (0, 0))
+            if group is not None:
+                stats["group"] = group.status()
             if self._afd_tp_target is not None:
                 stats["tp_rank"] = self._afd_tp_target.channel.rank
                 if isinstance(self._afd_tp_target, tp_group.AttentionFollower):

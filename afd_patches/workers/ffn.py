@@ -113,10 +113,8 @@ class FfnRoleMixin(RoleBase):
 
     def afd_stats(self) -> dict[str, Any]:
         """Counters over every group served so far."""
-        stats = self._afd_common_stats("ffn")
         server = self._afd_server
-        if server is not None:
-            stats["messages_sent"], stats["messages_received"] = server.messages()
+        stats = self._afd_common_stats("ffn", server.messages() if server is not None else (0, 0))
         stats["ffn_batches"] = server.batches if server is not None else 0
         return stats
 

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from afd_patches import LOGGER
-from afd_patches.connectors.base import Connector
 from afd_patches.patches import micro_batches
 
 logger = logging.getLogger(LOGGER)
@@ -54,7 +53,6 @@ class RoleBase:
 
     vllm_config: Any
     model_runner: Any
-    _afd_connector: Connector | None = None
 
     def _afd_model(self) -> Any:
         return self.model_runner.get_model()
@@ -70,13 +68,14 @@ class RoleBase:
         patchkit.note("afd", "model_runner_class", micro_batches.runner_class(self.model_runner))
         patchkit.note("afd", "model_runner", micro_batches.runner_kind(self.model_runner))
 
-    def _afd_common_stats(self, role: str) -> dict[str, Any]:
-        conn = self._afd_connector
+    def _afd_common_stats(self, role: str, messages: tuple[int, int]) -> dict[str, Any]:
+        """The stats both roles report; ``messages``: sent and received over every group so far (the role's
+        lifecycle object counts them)."""
         model = self._afd_model()
         stats: dict[str, Any] = {
             "role": role,
-            "messages_sent": conn.messages_sent if conn else 0,
-            "messages_received": conn.messages_received if conn else 0,
+            "messages_sent": messages[0],
+            "messages_received": messages[1],
             "kv_cache_bytes": _tensor_bytes(getattr(self.model_runner, "kv_caches", [])),
             "kv_cache_spec_layers": len(self.get_kv_cache_spec()),  # type: ignore[attr-defined]
             "model_runner": micro_batches.runner_name(self.model_runner),
