@@ -18,9 +18,9 @@
     once the next attempt could not start before it, raising ``FormationFailed`` with the last cause.
 
 ``AttentionGroup`` (attention side)
-    Owns the attention worker's connector: ``start()`` forms the first group (bounded by ``timeout_s``,
-    transient faults retried within it), binds it to the model's link and starts the idle ticker where the
-    lockstep needs one; ``stop()`` ends everything. Idempotent.
+    Owns the attention worker's connector: ``start()`` forms the first group (bounded by ``timeout_s``, at least
+    ``FIRST_GROUP_MIN_S``; transient faults retried within it), binds it to the model's link and starts the idle
+    ticker where the lockstep needs one; ``stop()`` ends everything. Idempotent.
 
     - ``lost(error)``: a step or an idle step raised ``error`` (a ``ConnectorError``: the FFN closed, broke
       the connection or stayed silent for ``timeout_s``). The first call of an outage unbinds the connector
@@ -63,6 +63,9 @@ logger = logging.getLogger(LOGGER)
 RETRY_S = 1.0  # pause after a formation attempt that failed, doubled per failure in a row ...
 RETRY_MAX_S = 10.0  # ... up to this (a right peer arriving then waits at most this long)
 IDLE_TICK_S = 0.02  # an idle attention rank's zero-token step interval (see AttentionGroup)
+# the first group's bound is at least this: the attention engines of one group start together and reach their
+# first formation at different moments (tens of seconds apart on a loaded host), whatever timeout_s is
+FIRST_GROUP_MIN_S = 60.0
 
 
 def retry_pause(failures: int, cap_s: float = float("inf")) -> float:
@@ -187,10 +190,11 @@ class AttentionGroup:
         self._state = threading.Lock()
 
     def start(self) -> None:
-        """Form the first group (within ``timeout_s``; ``FormationFailed`` naming the cause otherwise), bind
+        """Form the first group (within ``timeout_s``, at least ``FIRST_GROUP_MIN_S``; ``FormationFailed`` naming
+        the cause otherwise), bind
         it to the link, start the idle ticker if this rank needs one."""
         t0 = time.monotonic()
-        conn = self._loop.form(deadline=t0 + self.timeout_s)
+        conn = self._loop.form(deadline=t0 + max(self.timeout_s, FIRST_GROUP_MIN_S))
         if conn is None:  # stopped while forming
             return
         with self._state:
