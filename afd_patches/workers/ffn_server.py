@@ -40,7 +40,7 @@ import torch
 from afd_patches import LOGGER, metrics, trace
 from afd_patches.connectors.base import Connector, ConnectorClosed, ConnectorError, ConnectorTimeout
 from afd_patches.workers import tp_group
-from afd_patches.workers.regroup import FormationLoop
+from afd_patches.workers.regroup import FormationLoop, MessageTally
 
 logger = logging.getLogger(LOGGER)
 
@@ -90,7 +90,7 @@ class FfnServer:
         self._lock = threading.Lock()
         self._waiters = 0  # wait() calls blocked on the loop; they report its error
         self._connector: Connector | None = None
-        self._earlier = [0, 0]  # messages sent/received by the connectors of earlier groups
+        self._earlier = MessageTally()  # the connectors of earlier groups
         self._thread: threading.Thread | None = None
         self._groups = 0
 
@@ -162,9 +162,7 @@ class FfnServer:
         """Make ``new`` the current connector; the old one's message counts stay in ``stats()``."""
         with self._lock:
             old, self._connector = self._connector, new
-            if old is not None:
-                self._earlier[0] += old.messages_sent
-                self._earlier[1] += old.messages_received
+            self._earlier.retire(old)
 
     def _serve_group(self, conn: Connector, model: Any) -> None:
         """Receive → FFN → send until every served attention rank closed cleanly (return) or an error.
@@ -254,9 +252,7 @@ class FfnServer:
     def messages(self) -> tuple[int, int]:
         """Messages sent and received over every group so far."""
         with self._lock:
-            conn = self._connector
-            sent, received = self._earlier
-        return sent + (conn.messages_sent if conn else 0), received + (conn.messages_received if conn else 0)
+            return self._earlier.total(self._connector)
 
     def stop(self) -> None:
         """End the loop: cancel a formation in progress, close the current connector, join the thread (5 s at

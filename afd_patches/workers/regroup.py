@@ -74,6 +74,26 @@ def retry_pause(failures: int, cap_s: float = float("inf")) -> float:
     return min(RETRY_S * 2 ** min(failures - 1, 32), RETRY_MAX_S, cap_s)
 
 
+class MessageTally:
+    """Messages sent and received over every group a rank had: the lost groups' connectors' counts (``retire``)
+    plus the current one's. Not locked: its owner holds its own lock around both calls."""
+
+    def __init__(self) -> None:
+        self.sent = self.received = 0
+
+    def retire(self, conn: Connector | None) -> None:
+        """Keep the counts of ``conn``, a connector that is being replaced."""
+        if conn is not None:
+            self.sent += conn.messages_sent
+            self.received += conn.messages_received
+
+    def total(self, current: Connector | None) -> tuple[int, int]:
+        """Sent and received over the retired connectors and ``current``."""
+        if current is None:
+            return self.sent, self.received
+        return self.sent + current.messages_sent, self.received + current.messages_received
+
+
 class FormationFailed(ConnectorError):
     """The first group did not form before its deadline; the message names the last attempt's cause."""
 
@@ -177,7 +197,7 @@ class AttentionGroup:
         self.timeout_s = timeout_s  # bounds the first group (formed inside vLLM's load_model) and retry pauses
         self.tick = tick
         self.connector: Connector | None = None
-        self.earlier = [0, 0]  # messages sent/received by the connectors of groups lost so far
+        self.earlier = MessageTally()  # the connectors of groups lost so far
         self.error: str | None = None
         self.since: float | None = None
         self.outages = 0
@@ -220,9 +240,7 @@ class AttentionGroup:
             self.outages += 1
             old = self.link.swap(None, self.error)
             self._lost, self.connector = old, None
-            if old is not None:
-                self.earlier[0] += old.messages_sent
-                self.earlier[1] += old.messages_received
+            self.earlier.retire(old)
             metrics.set_group_up(False)
             logger.error("AFD attention rank %d: lost the FFN role at %s (%s); failing requests and re-forming "
                          "the group in the background", self.rank, self.address, error)
@@ -279,9 +297,7 @@ class AttentionGroup:
     def messages(self) -> tuple[int, int]:
         """Messages sent and received over every group so far."""
         with self._state:
-            conn = self.connector
-            sent, received = self.earlier
-        return sent + (conn.messages_sent if conn else 0), received + (conn.messages_received if conn else 0)
+            return self.earlier.total(self.connector)
 
     def stop(self) -> None:
         """Stop the ticker, cancel a formation in progress and close the current connector (the FFN sees a clean
