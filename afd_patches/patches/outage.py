@@ -10,8 +10,8 @@ apart from one attribute read per step):
     When vLLM's step raises, it asks the workers (``collective_rpc``,
     ``afd_group_status``) whether their AFD group is down. If not (or the
     question itself fails: the executor is gone), the exception goes on as
-    before (a group lost during that step and already re-formed counts as
-    down). If so, every request of the scheduler is finished with
+    before (a group down at any moment since the step began, already re-formed
+    or not, counts as down). If so, every request of the scheduler is finished with
     ``FINISHED_ERROR`` (vLLM's ``finish_requests``, which frees their KV
     blocks), the prefix cache is reset (the failed step wrote part of its KV
     cache, and vLLM caches blocks when it schedules them), and the step
@@ -24,8 +24,8 @@ apart from one attribute read per step):
     by message: the worker turns ``ConnectorError`` (a type) into its status.
 
 ``generate_naming_afd`` (wraps ``AsyncLLM.generate``)
-    A request that ends with finish reason ``error`` while this rank's group is
-    down, or after an outage that began since the request arrived, raises
+    A request that ends with finish reason ``error`` when this rank's group was
+    down at some moment since the request arrived (``GroupStatus``), raises
     ``AfdFfnUnavailable`` with the worker's message (it names AFD, the rank and
     the FFN's ``host:port``) in place of vLLM's bare "Internal server error";
     the OpenAI server returns it as an HTTP 500 whose message is that text (in
@@ -70,17 +70,23 @@ def _is_attention(vllm_config: Any) -> bool:
     return isinstance(afd, dict) and afd.get("role") == "attention"
 
 
-def _first_down(statuses: Any) -> dict[str, Any] | None:
-    """The first worker status that reports its group down, else None."""
-    for status in statuses if isinstance(statuses, list) else [statuses]:
-        if isinstance(status, dict) and not status.get("up", True):
-            return status
-    return None
+def _statuses(answer: Any) -> list[dict[str, Any]]:
+    """The workers' ``afd_group_status()`` answers (``GroupStatus.as_json()``), one per worker."""
+    return [s for s in (answer if isinstance(answer, list) else [answer]) if isinstance(s, dict)]
+
+
+def _first_down(statuses: Any, since: float | None = None) -> dict[str, Any] | None:
+    """The first worker status whose group is down now, or (with ``since``, a ``time.time()``) was down at some
+    moment since then: an outage began, or the group re-formed, at or after it (``GroupStatus``); else None."""
+    def was_down(s: dict[str, Any]) -> bool:
+        return not s.get("up", True) or (since is not None and max(s.get("since") or 0, s.get("reformed_at") or 0)
+                                         >= since)
+    return next((s for s in _statuses(statuses) if was_down(s)), None)
 
 
 # ------------------------------------------------------------------ engine core
 def _group_down(core: Any, lost_since: float | None = None) -> dict[str, Any] | None:
-    """The workers' report of a down AFD group (or, with ``lost_since``, of a group lost at or after that
+    """The workers' report of a down AFD group (or, with ``lost_since``, of a group down at some moment since that
     ``time.time()``, even if already re-formed), else None (group up, not an AFD attention engine, no answer)."""
     if not _is_attention(core.vllm_config):
         return None
@@ -89,10 +95,7 @@ def _group_down(core: Any, lost_since: float | None = None) -> dict[str, Any] | 
     except Exception:
         logger.debug("AFD: afd_group_status failed", exc_info=True)
         return None
-    down = _first_down(statuses)
-    if down is None and lost_since is not None:
-        down = next((s for s in statuses if isinstance(s, dict) and (s.get("since") or 0) >= lost_since), None)
-    return down
+    return _first_down(statuses, lost_since)
 
 
 def _fail_all(core: Any, status: dict[str, Any], stepped: bool) -> dict[int, Any]:
@@ -149,16 +152,14 @@ def _error_type() -> type[Exception]:
     return AfdFfnUnavailable
 
 
-async def _last_outage(client: Any) -> dict[str, Any] | None:
-    """A worker status whose group is down, else the one whose last outage began latest; None if none had one."""
+async def _down_since(client: Any, since: float) -> dict[str, Any] | None:
+    """A worker status whose group was down at some moment since ``since``; None if none was (or no answer)."""
     try:
         statuses = await client.collective_rpc("afd_group_status", timeout=STATUS_RPC_S)
     except Exception:
         logger.debug("AFD: afd_group_status failed", exc_info=True)
         return None
-    seen = [s for s in (statuses if isinstance(statuses, list) else [statuses])
-            if isinstance(s, dict) and s.get("since") is not None]
-    return _first_down(seen) or (max(seen, key=lambda s: s["since"]) if seen else None)
+    return _first_down(statuses, since)
 
 
 async def _afd_errors_named(client: Any, outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
@@ -166,8 +167,8 @@ async def _afd_errors_named(client: Any, outputs: AsyncGenerator[Any, None]) -> 
     async with contextlib.aclosing(outputs):
         async for out in outputs:
             if any(getattr(c, "finish_reason", None) == "error" for c in getattr(out, "outputs", ())):
-                status = await _last_outage(client)
-                if status is not None and (not status.get("up", True) or status["since"] >= arrived):
+                status = await _down_since(client, arrived)
+                if status is not None:
                     raise _error_type()(status.get("error") or "AFD: the attention engine has no FFN group")
             yield out
 

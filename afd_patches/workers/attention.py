@@ -39,7 +39,7 @@ from afd_patches.models.causal_lm import afd_config_of
 from afd_patches.patches import data_parallel, micro_batches
 from afd_patches.workers import tp_group
 from afd_patches.workers.connection import build_connector, model_identity
-from afd_patches.workers.regroup import AttentionGroup
+from afd_patches.workers.regroup import AttentionGroup, GroupStatus
 from afd_patches.workers.role import RoleBase
 
 logger = logging.getLogger(LOGGER)
@@ -107,12 +107,11 @@ class AttentionRoleMixin(RoleBase):
 
     def afd_group_status(self) -> dict[str, Any]:
         """Whether this rank has a group now, and the last outage (see ``AttentionGroup.status``)."""
-        if isinstance(self._afd_tp_target, tp_group.AttentionFollower):
-            return tp_group.follower_status(self._afd_tp_target.channel.rank)
+        if isinstance(self._afd_tp_target, tp_group.AttentionFollower):  # its leader reports the group
+            return GroupStatus(True, tp_rank=self._afd_tp_target.channel.rank).as_json()
         if self._afd_group is None:
-            return {"role": "attention", "up": False, "error": "AFD: the attention worker has no group yet",
-                    "since": None, "outages": 0, "reformations": 0, "address": None}
-        return self._afd_group.status()
+            return GroupStatus(False, "AFD: the attention worker has no group yet").as_json()
+        return self._afd_group.status().as_json()
 
     def afd_stats(self) -> dict[str, Any]:
         """Stats between steps (waits up to 5 s for a step in flight, so counts are consistent)."""
@@ -122,7 +121,7 @@ class AttentionRoleMixin(RoleBase):
             group = self._afd_group
             stats = self._afd_common_stats("attention", group.messages() if group is not None else (0, 0))
             if group is not None:
-                stats["group"] = group.status()
+                stats["group"] = group.status().as_json()
             if self._afd_tp_target is not None:
                 stats["tp_rank"] = self._afd_tp_target.channel.rank
                 if isinstance(self._afd_tp_target, tp_group.AttentionFollower):

@@ -49,6 +49,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from afd_patches import LOGGER, metrics
@@ -72,6 +73,25 @@ def retry_pause(failures: int, cap_s: float = float("inf")) -> float:
     """Seconds to wait before the next formation after ``failures`` (at least 1) failed in a row: ``RETRY_S``
     doubled per failure, at most ``RETRY_MAX_S`` and at most ``cap_s``."""
     return min(RETRY_S * 2 ** min(failures - 1, 32), RETRY_MAX_S, cap_s)
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """An attention rank's group as ``afd_group_status()`` reports it (``as_json()`` crosses vLLM's RPC). Times
+    are ``time.time()``. The group was down at some moment since ``t`` iff ``down_since(t)``: it is down now, or
+    an outage began at or after ``t``, or a group formed again at or after ``t`` (so it was down before that)."""
+
+    up: bool
+    error: str | None = None  # the last outage's message (kept after the group re-forms)
+    since: float | None = None  # when the last outage began
+    reformed_at: float | None = None  # when the group last re-formed after an outage
+    outages: int = 0
+    reformations: int = 0
+    address: str | None = None  # the FFN's host:port
+    tp_rank: int | None = None  # an attention TP follower's rank (it has no group of its own)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"role": "attention", **asdict(self)}
 
 
 class MessageTally:
@@ -200,6 +220,7 @@ class AttentionGroup:
         self.earlier = MessageTally()  # the connectors of groups lost so far
         self.error: str | None = None
         self.since: float | None = None
+        self.reformed_at: float | None = None
         self.outages = 0
         self.reformations = 0
         self._stop = threading.Event()
@@ -266,6 +287,7 @@ class AttentionGroup:
                 return
             self.connector = conn
             self.reformations += 1
+            self.reformed_at = time.time()
             self.link.swap(conn)
         metrics.METRICS.add("group_reformations")
         metrics.set_group_up(True)
@@ -287,12 +309,11 @@ class AttentionGroup:
                                      self.rank)
                 return
 
-    def status(self) -> dict[str, Any]:
-        """This rank's group as ``afd_group_status()`` reports it (JSON values)."""
+    def status(self) -> GroupStatus:
+        """This rank's group now."""
         with self._state:
-            return {"role": "attention", "up": self.connector is not None, "error": self.error,
-                    "since": self.since, "outages": self.outages, "reformations": self.reformations,
-                    "address": self.address}
+            return GroupStatus(self.connector is not None, self.error, self.since, self.reformed_at, self.outages,
+                               self.reformations, self.address)
 
     def messages(self) -> tuple[int, int]:
         """Messages sent and received over every group so far."""

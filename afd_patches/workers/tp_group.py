@@ -204,7 +204,3 @@ def bind_attention(link: Any, channel: TpChannel) -> AttentionLeader | Attention
     return target
 
 
-def follower_status(rank: int) -> dict[str, Any]:
-    """``afd_group_status()`` of an attention follower: it has no group of its own (its leader reports it)."""
-    return {"role": "attention", "up": True, "tp_rank": rank, "error": None, "since": None, "outages": 0,
-            "reformations": 0, "address": None}

@@ -207,12 +207,12 @@ def test_the_attention_side_reforms_through_a_token_file_too_open_during_the_ffn
         token.chmod(0o600)
         second = _server(ffn_cfg)
         back = time.monotonic()
-        while not group.status()["up"]:
+        while not group.status().up:
             assert time.monotonic() - back < 2 * TIMEOUT_S + SLACK_S, group.status()
             time.sleep(0.02)
         recovered_s = time.monotonic() - back
         _exchange(link, 2)
-        status = group.status()
+        status = group.status().as_json()
         assert status["outages"] == 1 and status["reformations"] == 1, status
         logged = [r.getMessage() for r in afd_caplog.records if r.levelno == logging.ERROR]
         assert sum("group or others" in m or "0644" in m or "permission" in m.lower() for m in logged) == 1, logged

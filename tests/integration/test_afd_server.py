@@ -287,22 +287,27 @@ STREAMS = 3
 STREAM_TOKENS = 240  # long enough to be in flight when the FFN is killed
 
 
-def _stream(port: int, model: Path, out: dict[str, Any]) -> None:
-    """One streamed completion; records when its first chunk and its end came, and the error event it ended with."""
+def stream_events(port: int, model: Path, **body: Any) -> Iterator[dict[str, Any]]:
+    """The events of one streamed greedy completion of ``PROMPT`` (``body`` adds to or overrides the request);
+    raises ``OSError`` or ``ValueError`` where the connection or an event breaks."""
     body = {"model": str(model), "prompt": PROMPT, "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, **body}
     req = urllib.request.Request(f"http://{HOST}:{port}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def _stream(port: int, model: Path, out: dict[str, Any]) -> None:
+    """One streamed completion; records when its first chunk and its end came, and the error event it ended with."""
     try:
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                out.setdefault("first", time.monotonic())
-                if "error" in event:
-                    out["error"] = event["error"]
+        for event in stream_events(port, model):
+            out.setdefault("first", time.monotonic())
+            if "error" in event:
+                out["error"] = event["error"]
     except (OSError, ValueError) as e:  # recorded, judged by the test
         out["exception"] = repr(e)
     out["end"] = time.monotonic()
