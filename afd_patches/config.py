@@ -53,6 +53,7 @@ MAX_MICRO_BATCHES = 4
 # vLLM's own --dbo-decode-token-threshold default; here a 16-token step split in two did not pay (0.93-1.02x) and a
 # 64-token one did (1.11x): docs/benchmarks.md, "Micro-batches inside one attention step"
 DEFAULT_MICRO_BATCH_MIN_TOKENS = 32
+HOLD_TIMEOUTS = 3  # hold_s unset: a lost FFN's step waits this many timeout_s for the group to re-form
 
 
 def _key(*, alias: str | None = None, flag: str | bool = False, codec: tuple[Callable[[Any], Any],
@@ -139,6 +140,10 @@ class AfdConfig:
     """This engine's 0-based index among the engines of its role."""
     timeout_s: float = field(default=60.0, metadata=_key(flag="SECONDS", exclusiveMinimum=0, maximum=MAX_SECONDS))
     """Seconds connecting or a receive waits for the peer before failing with an error."""
+    hold_s: float | None = field(default=None, metadata=_key(flag="SECONDS", minimum=0, maximum=MAX_SECONDS))
+    """Attention role: seconds a step whose FFN was lost waits for an FFN to serve the group again, then runs
+    again from its first layer (clients see a slower token, not an error); past it the step's requests fail
+    naming the FFN. Unset: 3 x timeout_s. 0: fail them at once."""
     connector_extra_config: LinkConfig = field(default_factory=LinkConfig, metadata=_key())
     """Settings of the link between the roles (the torch_dist connector's keys, below). No flag: pass it with
     --additional-config."""
@@ -164,6 +169,11 @@ class AfdConfig:
         if isinstance(self.connector_extra_config, dict):
             link = _build(LinkConfig, self.connector_extra_config, ("connector_extra_config",))
             object.__setattr__(self, "connector_extra_config", link)
+
+    @property
+    def hold_seconds(self) -> float:
+        """``hold_s``, its default applied (``HOLD_TIMEOUTS`` x ``timeout_s``)."""
+        return self.hold_s if self.hold_s is not None else min(HOLD_TIMEOUTS * self.timeout_s, MAX_SECONDS)
 
     @property
     def link(self) -> LinkConfig:

@@ -48,7 +48,9 @@ Metrics (labels ``role``, ``rank``)
     / ``vllm:afd_handshakes_refused`` (rendezvous connections),
     ``vllm:afd_group_reformations`` (groups formed after the first), and on the
     attention role ``vllm:afd_steps``, ``vllm:afd_micro_batches`` (their ratio is
-    the mean micro-batch count per step), ``vllm:afd_exchange_span_seconds`` and
+    the mean micro-batch count per step), ``vllm:afd_replayed_steps`` and the
+    histogram ``vllm:afd_hold_seconds`` (steps held while the FFN was lost, and
+    how long: ``afd_patches.workers.regroup``), ``vllm:afd_exchange_span_seconds`` and
     ``vllm:afd_exchange_wait_seconds``, with the gauge ``vllm:afd_ffn_hidden_fraction``
     (``1 - wait / span``: how much of the FFN's round trips overlapped attention).
     Counters get Prometheus' ``_total`` suffix on the wire. One gauge,
@@ -86,6 +88,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from afd_patches import LOGGER
@@ -98,6 +101,25 @@ MAX_BACKOFF_S = 10.0  # the longest wait between two tries of a snapshot that co
 STALE_SUFFIX = ".stale"  # appended to a snapshot's name by its writer when a write fails
 MAX_SNAPSHOT_BYTES = 64 * 1024
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+HOLD_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """One histogram of the snapshot: its help, its upper bounds (+Inf added) and its keys in a snapshot."""
+
+    doc: str
+    bounds: tuple[float, ...]
+    buckets_key: str
+    sum_key: str
+
+
+HISTOGRAMS = {
+    "exchange_latency_seconds": Histogram("Time of one AFD layer exchange.", LATENCY_BUCKETS, "buckets",
+                                          "latency_sum"),
+    "hold_seconds": Histogram("Attention role: how long a step whose FFN was lost was held, until it ran again "
+                              "or failed (hold_s).", HOLD_BUCKETS, "hold_buckets", "hold_sum"),
+}
 COUNTERS = {
     "exchanges": "AFD layer exchanges (attention: answered; FFN: batched layer calls served).",
     "bytes_sent": "Bytes of tensor payload sent to the other role.",
@@ -115,6 +137,8 @@ COUNTERS = {
                              "FFN's answer (FFN compute, transfer, and whatever ran meanwhile).",
     "exchange_wait_seconds": "Attention role: the part of exchange_span_seconds spent blocked waiting for the "
                              "answer (not hidden behind another micro-batch's attention).",
+    "replayed_steps": "Attention role: steps held while their FFN was lost and run again, from their first layer, "
+                      "once the group re-formed (hold_s).",
     "trace_write_failures": "Trace events not written because the write failed (AFD_TRACE_DIR on a full disk, "
                             "a file-size limit); each later event tries again.",
     "metrics_write_failures": "Metrics snapshots this process failed to write; retried with backoff, and "
@@ -129,28 +153,36 @@ HIDDEN_DOC = ("Attention role: 1 - exchange_wait_seconds / exchange_span_seconds
 
 
 class AfdMetrics:
-    """The counters and the exchange latency histogram of this process."""
+    """The counters and histograms (``HISTOGRAMS``) of this process."""
 
     def __init__(self) -> None:
         self.changed = threading.Event()  # set by every update; the writer sleeps on it while nothing changes
         self.counts = dict.fromkeys(COUNTERS, 0)
-        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one is +Inf
-        self.latency_sum = 0.0
+        self.histograms = {name: [0] * (len(h.bounds) + 1) for name, h in HISTOGRAMS.items()}  # last: +Inf
+        self.sums = dict.fromkeys(HISTOGRAMS, 0.0)
 
     def add(self, name: str, n: int = 1) -> None:
         self.counts[name] += n
         if not self.changed.is_set():
             self.changed.set()
 
-    def observe(self, seconds: float) -> None:
-        """One exchange that took ``seconds``."""
-        self.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self.latency_sum += seconds
+    def observe(self, seconds: float, histogram: str = "exchange_latency_seconds") -> None:
+        """One observation of ``histogram`` (by default: an exchange that took ``seconds``)."""
+        self.histograms[histogram][bisect.bisect_left(HISTOGRAMS[histogram].bounds, seconds)] += 1
+        self.sums[histogram] += seconds
         if not self.changed.is_set():
             self.changed.set()
 
+    @property
+    def buckets(self) -> list[int]:
+        """The exchange latency histogram's bucket counts (the last one is +Inf)."""
+        return self.histograms["exchange_latency_seconds"]
+
     def snapshot(self) -> dict[str, Any]:
-        return {"counts": dict(self.counts), "buckets": list(self.buckets), "latency_sum": self.latency_sum}
+        snap: dict[str, Any] = {"counts": dict(self.counts)}
+        for name, h in HISTOGRAMS.items():
+            snap[h.buckets_key], snap[h.sum_key] = list(self.histograms[name]), self.sums[name]
+        return snap
 
     def exchanged(self, sent_at: float, waited_at: float, answered_at: float) -> None:
         """One attention-side exchange: sent at ``sent_at``, waited for from ``waited_at``, answered at
@@ -328,6 +360,24 @@ def _remove_if_mine(directory: str, owner_pid: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def attention_groups_down() -> list[int] | None:
+    """From this front end's snapshots (no RPC: it answers while an engine is inside a step, a held one too):
+    the ranks of the attention workers whose current snapshot says ``vllm:afd_group_up`` 0; None where no
+    current attention snapshot says either (no directory, nothing written yet, or every one stale)."""
+    directory = os.environ.get(METRICS_DIR_ENV)
+    if not directory:
+        return None
+    known, down = False, []
+    for path, stale in _snapshot_files(directory):
+        snap = None if stale else _read_snapshot(path)
+        value = snap["counts"].get(GROUP_UP) if snap is not None and snap.get("role") == "attention" else None
+        if value in (0, 1) and not isinstance(value, bool):
+            known = True
+            if value == 0:
+                down.append(snap.get("rank"))  # type: ignore[union-attr]
+    return down if known else None
+
+
 def _snapshot_files(directory: str) -> list[tuple[str, bool]]:
     """The snapshot files of ``directory``, each with whether it is marked stale; a stale mark whose fresh
     snapshot is there too is left out (the writer wrote again and removes the mark next)."""
@@ -361,10 +411,12 @@ def _read_snapshot(path: str) -> dict[str, Any] | None:
             return None
     if not isinstance(data, dict) or not isinstance(data.get("counts"), dict):
         return None
-    buckets = data.get("buckets")
-    if not isinstance(buckets, list) or len(buckets) != len(LATENCY_BUCKETS) + 1:
-        return None
-    numbers = [*(data["counts"].get(k, 0) for k in COUNTERS), *buckets, data.get("latency_sum", 0.0)]
+    numbers = [data["counts"].get(k, 0) for k in COUNTERS]
+    for h in HISTOGRAMS.values():  # one a writer of an older release did not write reads as empty
+        buckets = data.setdefault(h.buckets_key, [0] * (len(h.bounds) + 1))
+        if not isinstance(buckets, list) or len(buckets) != len(h.bounds) + 1:
+            return None
+        numbers += [*buckets, data.setdefault(h.sum_key, 0.0)]
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in numbers):
         return None
     return data
@@ -396,15 +448,15 @@ class SnapshotCollector:
             for snap in snaps:
                 family.add_metric([str(snap.get("role")), str(snap.get("rank"))], snap["counts"].get(key, 0))
             yield family
-        hist = HistogramMetricFamily("vllm:afd_exchange_latency_seconds", "Time of one AFD layer exchange.",
-                                     labels=labels)
-        for snap in snaps:
-            running, cumulative = 0, []
-            for bound, n in zip([*map(str, LATENCY_BUCKETS), "+Inf"], snap["buckets"], strict=True):
-                running += n
-                cumulative.append((bound, running))
-            hist.add_metric([str(snap.get("role")), str(snap.get("rank"))], cumulative, snap["latency_sum"])
-        yield hist
+        for name, h in HISTOGRAMS.items():
+            hist = HistogramMetricFamily(f"vllm:afd_{name}", h.doc, labels=labels)
+            for snap in snaps:
+                running, cumulative = 0, []
+                for bound, n in zip([*map(str, h.bounds), "+Inf"], snap[h.buckets_key], strict=True):
+                    running += n
+                    cumulative.append((bound, running))
+                hist.add_metric([str(snap.get("role")), str(snap.get("rank"))], cumulative, snap[h.sum_key])
+            yield hist
         stale = GaugeMetricFamily(f"vllm:afd_{STALE}", STALE_DOC, labels=labels)
         for snap in snaps:
             stale.add_metric([str(snap.get("role")), str(snap.get("rank"))], int(snap["stale"]))

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from afd_patches.config import AfdConfig, from_additional_config
+from afd_patches.connectors.base import ConnectorError
 from afd_patches.metrics import METRICS
 from afd_patches.models import microbatch
 from afd_patches.models.ffn_proxy import AfdFfnProxy, building
@@ -300,27 +301,47 @@ class AfdCausalLMMixin(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Attention role: one forward step (exchanges once per layer and micro-batch; split when vLLM's runner
-        split the step, ``afd_patches.models.microbatch``). FFN role: not available."""
+        split the step, ``afd_patches.models.microbatch``). FFN role: not available.
+
+        A step whose exchange fails (``ConnectorError``: the FFN closed, reset or went silent) is held where
+        the worker allows it (``AfdLink.hold``): the link's lock is released, the worker waits for the group to
+        re-form, and the step runs again from its first layer with the same inputs. The FFN role keeps no state
+        of a request, and the attention layers write the same KV cache slots with the same values again, so
+        the step's result is the one it would have had (a model with state that a step updates in place, such
+        as a recurrent layer's, is never held: ``AttentionRoleMixin``)."""
         if self.afd_role != ATTENTION:
             raise RuntimeError("the FFN role of an AFD model has no forward; it serves afd_ffn()")
         link = self._afd_link
-        with link.lock:
-            link.begin_step()
-            try:
-                slices = microbatch.step_slices()
-                link.micro_batches += len(slices) if slices else 1
-                METRICS.add("steps")
-                METRICS.add("micro_batches", len(slices) if slices else 1)
-                if not slices:
-                    return super().forward(*args, **kwargs)
-                if args:
-                    raise TypeError("AFD micro-batches: the model is called with keyword inputs only (as vLLM's "
-                                    "runner calls it)")
-                if self._afd_micro is None:
-                    self._afd_micro = microbatch.MicroBatchRunner()
-                return self._afd_micro.run(super().forward, slices, kwargs)
-            finally:
-                link.last_active = time.monotonic()
+        held_since: float | None = None
+        while True:
+            with link.lock:
+                try:
+                    return self._afd_step(link, args, kwargs)
+                except ConnectorError as e:
+                    if link.hold is None:
+                        raise
+                    error = e
+            held_since = held_since if held_since is not None else time.monotonic()
+            link.hold(error, held_since)  # raises when the group did not re-form in time
+
+    def _afd_step(self, link: AfdLink, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One run of the step (``link.lock`` held)."""
+        link.begin_step()
+        try:
+            slices = microbatch.step_slices()
+            link.micro_batches += len(slices) if slices else 1
+            METRICS.add("steps")
+            METRICS.add("micro_batches", len(slices) if slices else 1)
+            if not slices:
+                return super().forward(*args, **kwargs)
+            if args:
+                raise TypeError("AFD micro-batches: the model is called with keyword inputs only (as vLLM's "
+                                "runner calls it)")
+            if self._afd_micro is None:
+                self._afd_micro = microbatch.MicroBatchRunner()
+            return self._afd_micro.run(super().forward, slices, kwargs)
+        finally:
+            link.last_active = time.monotonic()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Role-filtered load: the attention role skips FFN weights; the FFN role loads only them."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +67,9 @@ class AfdLink:
 
     While the group is down (``down`` names why; ``connector`` is None) every
     exchange raises ``AfdGroupDown`` with that reason, and idle steps are skipped.
+    ``hold`` (None, or the worker's ``AttentionGroup.hold``): what the model's
+    forward calls, outside ``lock``, when a step met a connector error, before
+    running the step again.
     """
 
     def __init__(self, num_layers: int = 0, hidden_size: int = 0, dtype: torch.dtype = torch.float32,
@@ -87,6 +91,10 @@ class AfdLink:
         self.pad_micro_batches = 1
         self._since: dict[int, float] = {}
         self.micro_batches = 0  # over every step: the micro-batches they ran in (1 for a step not split)
+        # set by the attention worker where a step may be held and run again (``AttentionGroup.hold``): called
+        # with the connector error a forward met and when that step was first held; returns once a group is
+        # bound again, raises the step's error otherwise
+        self.hold: Callable[[ConnectorError, float], None] | None = None
 
     def swap(self, connector: Connector | None, down: str | None = None) -> Connector | None:
         """Between steps, bind ``connector`` (None: the group is down because of ``down``); return the old one."""

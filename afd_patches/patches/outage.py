@@ -32,17 +32,21 @@ apart from one attribute read per step):
     a stream: as the error event). Other engines get vLLM's generator itself.
 
 ``check_health_with_afd_group`` (wraps ``AsyncLLM.check_health``)
-    After vLLM's own check, an attention engine asks its workers for their
-    group; while it is down, ``/health`` answers 500 with that message, so a
-    load balancer routes away, and 200 again once the group has re-formed.
+    After vLLM's own check, an attention engine reads its workers' group
+    state from their metrics snapshots (``vllm:afd_group_up``, the value
+    ``/metrics`` shows, at most ``WRITE_INTERVAL_S`` old; no RPC, so it
+    answers at once while a step is running or held); where no current
+    snapshot says (none written yet, or stale), it asks the workers. While the
+    group is down, ``/health`` answers 500 with a message naming AFD, the
+    ranks and the FFN's ``host:port``, so a load balancer routes away, and
+    200 again once the group has re-formed.
 
 Limits: only ``EngineCore.step`` is wrapped. An engine core that steps with a
 batch queue (``step_with_batch_queue``: asynchronous scheduling or pipeline
 parallelism, both off on the CPU platform; AFD has no pipeline parallelism)
-still ends on an FFN loss, as before. A health check waits for the engine core
-to be between steps; while a silent FFN holds a step for up to ``timeout_s``
-the check waits (``STATUS_RPC_S`` at most, then it fails, which also reads as
-unhealthy).
+still ends on an FFN loss, as before. A health check that has to ask the
+workers waits for the engine core to be between steps (``STATUS_RPC_S`` at
+most, then it fails, which also reads as unhealthy).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from collections.abc import AsyncGenerator, Callable
 from functools import cache
 from typing import Any
 
-from afd_patches import CONFIG_KEY, LOGGER
+from afd_patches import CONFIG_KEY, LOGGER, metrics
 
 logger = logging.getLogger(LOGGER)
 
@@ -187,6 +191,13 @@ async def check_health_with_afd_group(original: Callable[..., Any], client: Any,
     await original(client, *args, **kwargs)
     if not _is_attention(client.vllm_config):
         return
-    down = _first_down(await client.collective_rpc("afd_group_status", timeout=STATUS_RPC_S))
-    if down is not None:
-        raise _error_type()(down.get("error") or "AFD: the attention engine has no FFN group")
+    ranks = metrics.attention_groups_down()
+    if ranks:
+        afd = client.vllm_config.additional_config[CONFIG_KEY]
+        raise _error_type()(f"AFD: attention rank(s) {', '.join(map(str, sorted(ranks)))} have no FFN group at "
+                            f"{afd.get('host')}:{afd.get('port')} (re-forming by itself; steps wait up to "
+                            "hold_s for it)")
+    if ranks is None:  # no current snapshot says: ask the workers (waits for the engine to be between steps)
+        down = _first_down(await client.collective_rpc("afd_group_status", timeout=STATUS_RPC_S))
+        if down is not None:
+            raise _error_type()(down.get("error") or "AFD: the attention engine has no FFN group")

@@ -34,6 +34,7 @@ import logging
 from typing import Any
 
 from afd_patches import LOGGER, metrics, trace
+from afd_patches.config import AfdConfig
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.models.causal_lm import afd_config_of
 from afd_patches.patches import data_parallel, micro_batches
@@ -43,6 +44,30 @@ from afd_patches.workers.regroup import AttentionGroup, GroupStatus
 from afd_patches.workers.role import RoleBase
 
 logger = logging.getLogger(LOGGER)
+
+
+def hold_seconds(vllm_config: Any, cfg: AfdConfig, model: Any) -> float:
+    """How long this attention worker holds a step whose FFN was lost (``hold_s``; 0: not at all), decided once
+    at start. 0 for a model with state that a step updates in place (vLLM's ``has_inner_state``: recurrent or
+    hybrid layers, whose second run would apply the update twice). Under vLLM's multiprocess executor, which
+    gives up on a worker's step after ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, at most that less 2 x
+    ``timeout_s`` (the loss is noticed up to ``timeout_s`` late, and the step runs again)."""
+    from vllm import envs
+    from vllm.model_executor.models.interfaces import has_inner_state
+
+    hold_s = cfg.hold_seconds
+    if hold_s > 0 and has_inner_state(model):
+        logger.info("AFD attention rank %d: %s keeps state across steps; a step whose FFN is lost fails at once "
+                    "(hold_s does not apply)", cfg.rank, type(model).__name__)
+        return 0.0
+    if getattr(vllm_config.parallel_config, "distributed_executor_backend", None) == "mp":
+        cap = max(0.0, envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS - 2 * cfg.timeout_s)
+        if hold_s > cap:
+            logger.warning("AFD attention rank %d: hold_s %g is more than vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS "
+                           "(%d) allows with timeout_s %g; holding a step at most %gs", cfg.rank, hold_s,
+                           envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, cfg.timeout_s, cap)
+            return cap
+    return hold_s
 
 
 class AttentionRoleMixin(RoleBase):
@@ -87,8 +112,12 @@ class AttentionRoleMixin(RoleBase):
             link.pad_micro_batches = opts.micro_batches  # its FFN rank batches ranks by micro-batch
         tick = (cfg.num_attention_ranks > cfg.num_ffn_ranks and opts.schedule == "batched"
                 and not data_parallel.vllm_keeps_lockstep(self.vllm_config))
+        # under attention TP the leader's followers wait on its answers with their own deadline: no hold there
+        hold_s = hold_seconds(self.vllm_config, cfg, model) if tp is None else 0.0
         self._afd_group = AttentionGroup(cfg.rank, f"{cfg.host}:{cfg.port}", lambda: build_connector(cfg, identity),
-                                         link, opts.idle_timeout_s, cfg.timeout_s, tick)
+                                         link, opts.idle_timeout_s, cfg.timeout_s, tick, hold_s)
+        if hold_s > 0:
+            link.hold = self._afd_group.hold
         self._afd_group.start()  # the warm-up/profile forwards that follow already exchange with the FFN role
         if opts.micro_batches > 1:
             logger.info("AFD attention rank %d: steps of at least %d tokens run as %d micro-batches", cfg.rank,

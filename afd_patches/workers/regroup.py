@@ -30,12 +30,17 @@
       lost connector and runs the ``FormationLoop`` at the same address until a group forms (bound to the
       link under its lock, logged, counted as ``vllm:afd_group_reformations``) or ``stop()``. It returns the
       ``AfdGroupDown`` to raise. Later calls during the same outage change nothing.
+    - ``hold(error, since)``: the model's forward met ``error`` (``AfdLink.hold``, ``hold_s`` > 0). It records
+      the loss as ``lost`` does, then waits until a group is bound again, at most ``hold_s`` after ``since``
+      (when that step was first held): then it returns and the forward runs the step again from its first
+      layer (counted as ``vllm:afd_replayed_steps``); else, or on ``stop()``, it raises the step's
+      ``AfdGroupDown``. Either way one line names the rank, the FFN's address and how long the step was held
+      (``vllm:afd_hold_seconds``).
     - The idle ticker (``afd-idle-<rank>``; only under ``batched`` with several attention ranks per FFN rank,
       and not where vLLM keeps data-parallel ranks in step): after ``IDLE_TICK_S`` without a step it runs a
       zero-token step, so the FFN rank's batch never waits on an idle engine.
     - ``status()``: what ``afd_group_status()`` reports through ``collective_rpc`` (the engine core and the
-      API server ask it): ``up``, ``error`` (the message of the last outage, kept after it ended), ``since``
-      (``time.time()`` when the last outage began), ``outages``, ``reformations``, ``address``.
+      API server ask it): a ``GroupStatus``.
 
 Limits: one connector per worker, as in the rest of the attention role. The engine itself decides what
 happens to requests (``afd_patches.patches.outage``): the worker only raises and reports. An exception that
@@ -210,11 +215,13 @@ class AttentionGroup:
     docstring)."""
 
     def __init__(self, rank: int, address: str, build: Callable[[], Connector], link: AfdLink, wait_s: float,
-                 timeout_s: float, tick: bool) -> None:
+                 timeout_s: float, tick: bool, hold_s: float = 0.0) -> None:
         self.rank = rank
         self.address = address
         self.link = link
         self.timeout_s = timeout_s  # bounds the first group (formed inside vLLM's load_model) and retry pauses
+        self.hold_s = hold_s  # how long a step that lost its FFN waits for the group (``hold``); 0: not at all
+        self._up = threading.Event()  # set while a group is bound
         self.tick = tick
         self.connector: Connector | None = None
         self.earlier = MessageTally()  # the connectors of groups lost so far
@@ -241,6 +248,7 @@ class AttentionGroup:
         with self._state:
             self.connector = conn
             self.link.swap(conn)
+            self._up.set()
         metrics.set_group_up(True)
         logger.info("AFD attention rank %d connected in %.1fs", self.rank, time.monotonic() - t0)
         if self.tick:
@@ -254,20 +262,41 @@ class AttentionGroup:
         with self._state:
             if self.connector is None or self._stop.is_set():
                 return AfdGroupDown(self.error or f"AFD attention rank {self.rank}: no group at {self.address}")
+            waits = f"wait up to {self.hold_s:g}s, then fail," if self.hold_s > 0 else "fail"
             self.error = (f"AFD: attention rank {self.rank} lost its FFN role at {self.address} ({error}); "
-                          f"requests fail until an FFN serves {self.address} again and the group re-forms "
+                          f"requests {waits} until an FFN serves {self.address} again and the group re-forms "
                           "(this engine re-forms it by itself)")
             self.since = time.time()
             self.outages += 1
+            self._up.clear()
             old = self.link.swap(None, self.error)
             self._lost, self.connector = old, None
             self.earlier.retire(old)
             metrics.set_group_up(False)
-            logger.error("AFD attention rank %d: lost the FFN role at %s (%s); failing requests and re-forming "
-                         "the group in the background", self.rank, self.address, error)
+            logger.error("AFD attention rank %d: lost the FFN role at %s (%s); requests %s while the group "
+                         "re-forms in the background", self.rank, self.address, error, waits)
             self._thread = threading.Thread(target=self._reform, name=f"afd-regroup-{self.rank}", daemon=True)
             self._thread.start()
             return AfdGroupDown(self.error)
+
+    def hold(self, error: ConnectorError, since: float) -> None:
+        """Hold the step that met ``error`` until a group is bound again (return: run the step again), at most
+        ``hold_s`` after ``since`` (``time.monotonic()`` when that step was first held); ``AfdGroupDown`` past
+        it, while stopping, or with ``hold_s`` 0."""
+        down = self.lost(error)
+        remaining = since + self.hold_s - time.monotonic()
+        if self.hold_s <= 0 or self._stop.is_set():
+            raise down
+        up = self._up.wait(max(0.0, remaining)) and not self._stop.is_set()
+        held = time.monotonic() - since
+        metrics.METRICS.observe(held, "hold_seconds")
+        if not up:
+            logger.error("AFD attention rank %d: held a step %.1fs (hold_s %g); no FFN served %s again in that "
+                         "time: failing its requests", self.rank, held, self.hold_s, self.address)
+            raise down
+        metrics.METRICS.add("replayed_steps")
+        logger.warning("AFD attention rank %d: held a step %.1fs until an FFN served %s again; running it again "
+                       "from its first layer", self.rank, held, self.address)
 
     def _reform(self) -> None:
         """Close the lost connector, then run the formation loop at the same address until a group forms or
@@ -289,6 +318,7 @@ class AttentionGroup:
             self.reformations += 1
             self.reformed_at = time.time()
             self.link.swap(conn)
+            self._up.set()
         metrics.METRICS.add("group_reformations")
         metrics.set_group_up(True)
         logger.info("AFD attention rank %d: re-formed the group at %s %.1fs after losing it; serving again",
@@ -325,6 +355,7 @@ class AttentionGroup:
         close). Idempotent."""
         with self._state:
             self._stop.set()
+            self._up.set()  # a held step wakes, sees the stop and fails
             conn, self.connector = self.connector, None
         self._loop.cancel()
         if conn is not None:

@@ -317,7 +317,7 @@ def _generating_pair(workdir: Path, tag: str) -> Iterator[tuple[Engine, Engine]]
     3 x 240 tokens; both are killed on the way out."""
     family = "llama"
     model, _ = _model_and_plain(workdir, family)
-    afd = {**_afd(1), "timeout_s": KILL_TIMEOUT_S}
+    afd = {**_afd(1), "timeout_s": KILL_TIMEOUT_S, "hold_s": 0.0}  # requests fail at once (no hold)
     ready = workdir / f"{tag}-ready"
     ready.unlink(missing_ok=True)
     attn_spec = _spec(f"{tag}-attn", "attention", model, family, {**afd, "role": "attention"})
@@ -351,9 +351,9 @@ def _wait_exit(engine: Engine, what: str) -> float:
 
 
 def test_ffn_killed_mid_generation_fails_requests_not_attention_engine(workdir: Path) -> None:
-    """Killing the FFN engine mid-generation ends the attention engine's requests with finish reason ``error``
-    within ``timeout_s``; the engine itself stays up (it then closes and exits cleanly, as the driver asks), and
-    its log names AFD and the FFN's address."""
+    """With ``hold_s: 0``, killing the FFN engine mid-generation ends the attention engine's requests with finish
+    reason ``error`` within ``timeout_s``; the engine itself stays up (it then closes and exits cleanly, as the
+    driver asks), and its log names AFD and the FFN's address."""
     with _generating_pair(workdir, "kill-ffn") as (ffn, attn):
         os.killpg(ffn[0].pid, signal.SIGKILL)
         elapsed = _wait_exit(attn, "attention engine")

@@ -180,7 +180,7 @@ def test_mrv2_attention_engine_serves_exactly_after_an_ffn_restart(workdir: Path
     port. The attention engine's next requests fail (finish reason ``error``: its link was to the dead FFN); it
     re-forms the group by itself (its log says so) and the requests after that equal plain MRV2's."""
     model = _model(workdir, FAMILY)
-    afd = {**_afd(1), "timeout_s": 5.0}
+    afd = {**_afd(1), "timeout_s": 5.0, "hold_s": 0.0}  # requests fail at once (no hold)
     generated, restarted, regrouped = (workdir / f"mrv2-restart-{n}" for n in ("generated", "restarted", "regrouped"))
     for flag in (generated, restarted, regrouped):
         flag.unlink(missing_ok=True)

@@ -217,7 +217,7 @@ def pair(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     afd_port, ffn_port, attn_port = free_port(), free_port(), free_port()
     arch = ["--hf-overrides", json.dumps({"architectures": ["AFDLlamaForCausalLM"]})]
     common = ["--afd-port", str(afd_port), "--afd-host", HOST, "--afd-timeout-s", str(OUTAGE_TIMEOUT_S),
-              "--afd-token-file", str(token_file)]
+              "--afd-token-file", str(token_file), "--afd-hold-s", "0"]  # requests fail at once: no hold
     ffn_args = _server_args(model_dir, ffn_port, *arch, "--afd-role", "ffn", *common, "--additional-config",
                             json.dumps({"afd": {"connector_extra_config": {"idle_timeout_s": 900}}}))
     attn_args = _server_args(model_dir, attn_port, *arch, "--afd-role", "attention", *common,
