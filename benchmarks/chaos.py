@@ -13,12 +13,15 @@ One table per deployment; per phase: requests ``exact``, ``named`` (an error nam
 address), ``cut`` (refused or reset by a server being killed or restarted), and the goals: ``wrong``, ``lost``,
 ``hung``, ``unnamed`` 0; ``recovery`` (fault end to every attention server's first exact answer) at most
 2 x ``timeout_s``; ``gauge`` (the longest stretch ``vllm:afd_group_up`` contradicted the requests) at most
-``timeout_s``. ``stale`` is how long the metrics snapshot was marked stale (by design during ``disk``).
+``timeout_s``. ``stale`` is how long the metrics snapshot was marked stale (by design during ``disk``); ``fault``
+how long the fault lasted (``kill_ffn``: until the new FFN server was healthy); ``longest`` the longest request
+that ended exact (with ``--hold-s``, a step held through the fault shows here).
 
 Needs root (namespaces, tmpfs, ptrace) and the vLLM CPU build; everything it makes (namespaces, links,
 /etc/netns entries, the tmpfs, processes) is removed at exit, Ctrl-C and SIGTERM included.
 
-    python -m benchmarks.chaos [--families llama,qwen3_moe] [--faults a,b] [--timeout-s 2] [--logs DIR] [--record]
+    python -m benchmarks.chaos [--families llama,qwen3_moe] [--faults a,b] [--timeout-s 2] [--hold-s S] [--logs DIR]
+        [--record]
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Phase:
     stale_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     fault_error: str = ""  # the fault could not be made (then the phase misses its goals)
+    fault_s: float = 0.0  # from the fault's start to its end (kill_ffn: the FFN killed, restarted and healthy)
+    longest_s: float = 0.0  # the longest request that ended exact (a held step's wait shows here)
 
 
 def model(family: str, root: Path) -> Path:
@@ -104,13 +109,13 @@ def run_schedule(d: Deployment, load: Load, faults: list[str]) -> list[Phase]:
     for name in ["steady", *faults]:
         start = time.monotonic()
         time.sleep(PRE_S)
-        error = ""
+        error, fault_start = "", time.monotonic()
         try:
             fault_end = FAULTS[name](d) if name != "steady" else time.monotonic()
         except Exception as e:  # noqa: BLE001 -- the fault could not be made: noted, the schedule goes on
             error, fault_end = f"the fault failed: {type(e).__name__}: {e}", time.monotonic()
         phase = Phase(name, start, fault_end, first_exact_after(load, d.attention, fault_end, RECOVERY_CAP_S))
-        phase.fault_error = error
+        phase.fault_error, phase.fault_s = error, fault_end - fault_start
         time.sleep(POST_S)
         for label, server in d.servers.items():
             if server.proc.poll() is not None:
@@ -148,6 +153,7 @@ def judge(phases: list[Phase], load: Load, sampler: Sampler) -> None:
         until = phases[i + 1].start if i + 1 < len(phases) else float("inf")
         mine = [o for o in load.outcomes if p.start <= o.start < until]
         p.counts = Counter(o.kind for o in mine)
+        p.longest_s = max((o.end - o.start for o in mine if o.kind == "exact"), default=0.0)
         bad = sorted((o for o in mine if o.kind in BAD), key=lambda o: o.end)
         p.notes += [f"{o.kind} at +{o.end - p.start:.1f}s (fault ended +{p.fault_end - p.start:.1f}s), {o.server}: "
                     f"{o.detail}" for o in bad[:3]]
@@ -160,13 +166,15 @@ def met(p: Phase, timeout_s: float) -> bool:
 
 
 def table(title: str, phases: list[Phase], timeout_s: float) -> str:
-    head = f"{'phase':15s}" + "".join(f"{k:>8s}" for k in KINDS) + f"{'recovery':>10s}{'gauge':>7s}{'stale':>7s}  goals"
+    head = (f"{'phase':15s}" + "".join(f"{k:>8s}" for k in KINDS)
+            + f"{'recovery':>10s}{'gauge':>7s}{'stale':>7s}{'fault':>7s}{'longest':>8s}  goals")
     lines = [title, head]
     for p in phases:
         rec = "never" if p.recovery_s is None else f"{p.recovery_s:.1f}s"
         verdict = "met" if met(p, timeout_s) else "MISSED"
         lines.append(f"{p.name:15s}" + "".join(f"{p.counts[k]:8d}" for k in KINDS)
-                     + f"{rec:>10s}{p.gauge_wrong_s:6.1f}s{p.stale_s:6.1f}s  {verdict}")
+                     + f"{rec:>10s}{p.gauge_wrong_s:6.1f}s{p.stale_s:6.1f}s{p.fault_s:6.1f}s{p.longest_s:7.1f}s"
+                     + f"  {verdict}")
     lines.append(f"goals: wrong, lost, hung, unnamed 0; recovery <= {2 * timeout_s:g}s; gauge <= {timeout_s:g}s")
     for p in phases:
         lines += [f"  {p.name}: {n}" for n in ([p.fault_error] if p.fault_error else []) + p.notes]
@@ -177,8 +185,9 @@ def figures(family: str, phases: list[Phase], timeout_s: float) -> list[record.F
     """Per phase its recovery (the counts in the detail); per deployment the requests that broke a goal."""
     out = []
     for p in phases:
-        detail = ", ".join(f"{k} {p.counts[k]}" for k in KINDS) + f"; gauge wrong {p.gauge_wrong_s:.1f}s; " + (
-            "met" if met(p, timeout_s) else "MISSED")
+        detail = ", ".join(f"{k} {p.counts[k]}" for k in KINDS) + (
+            f"; gauge wrong {p.gauge_wrong_s:.1f}s; fault {p.fault_s:.1f}s; longest exact request "
+            f"{p.longest_s:.1f}s; " + ("met" if met(p, timeout_s) else "MISSED"))
         out.append(record.Figure(f"{family}_{p.name}_recovery_s", f"{family} {RANKS[family]}A1F, {p.name}: fault end "
                                  f"to every attention server's first exact answer (timeout_s {timeout_s:g})",
                                  RECOVERY_CAP_S if p.recovery_s is None else p.recovery_s, "s", 1, detail))
@@ -192,13 +201,14 @@ def run_family(lab: Lab, family: str, args: argparse.Namespace, work: Path,
                cleanup: list[Any]) -> tuple[str, list[record.Figure]]:
     checkpoint = model(family, work)
     expected = plain_tokens(checkpoint, PROMPTS, args.max_tokens, work)
-    d = Deployment(lab, family, checkpoint, RANKS[family], args.timeout_s, work)
+    d = Deployment(lab, family, checkpoint, RANKS[family], args.timeout_s, work, args.hold_s)
     cleanup.append(d.stop_all)
     up_s = d.start()
     phases, settled = schedule_under_load(d, PROMPTS, expected, args.max_tokens, args.streams, args.hang_s,
                                           args.faults)
+    hold = "" if args.hold_s is None else f", hold_s {args.hold_s:g}"
     title = (f"{family} {RANKS[family]}A1F, {args.streams} streams x {args.max_tokens} tokens, timeout_s "
-             f"{args.timeout_s:g}, up in {up_s:.0f}s{'' if settled else '; requests still open at the end'}")
+             f"{args.timeout_s:g}{hold}, up in {up_s:.0f}s{'' if settled else '; requests still open at the end'}")
     d.stop_all()
     return table(title, phases, args.timeout_s), figures(family, phases, args.timeout_s)
 
@@ -212,6 +222,8 @@ def main() -> None:
     parser.add_argument("--families", default="llama,qwen3_moe")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of: {', '.join(FAULTS)}")
     parser.add_argument("--timeout-s", type=float, default=2.0)
+    parser.add_argument("--hold-s", type=float, default=None,
+                        help="the attention servers' hold_s (default: the config's, 3 x timeout_s)")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--hang-s", type=float, default=60.0, help="no chunk for this long: the request hung")

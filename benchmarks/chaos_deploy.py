@@ -114,9 +114,10 @@ class Deployment:
     """See the module docstring. ``family``: ``llama`` or ``qwen3_moe``; ``model``: its checkpoint folder."""
 
     def __init__(self, lab: Lab, family: str, model: Path, ranks: int, timeout_s: float, work: Path,
-                 diag_size: str = "64m") -> None:
+                 hold_s: float | None = None, diag_size: str = "64m") -> None:
         self.lab, self.family, self.model, self.ranks, self.timeout_s, self.work = (lab, family, model, ranks,
                                                                                      timeout_s, work)
+        self.hold_s = hold_s  # the attention servers' --afd-hold-s (None: the config's default)
         self.down: set[str] = set()
         for name in ("ffn", *(f"attn{r}" for r in range(ranks)), "stranger"):
             lab.add(name)
@@ -140,6 +141,8 @@ class Deployment:
 
     def _args(self, label: str) -> list[str]:
         role = ["--afd-role", "ffn"] if label == "ffn" else ["--afd-role", "attention", "--afd-rank", label[4:]]
+        if label != "ffn" and self.hold_s is not None:
+            role += ["--afd-hold-s", f"{self.hold_s:g}"]
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                 "--host", self.lab.addresses[label], "--port", str(API_PORT), "--enforce-eager",
                 "--max-model-len", "256", "--dtype", "float32", "--seed", "0", "--max-num-seqs", "16",

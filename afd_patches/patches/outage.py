@@ -1,7 +1,10 @@
 """An AFD attention engine that outlives its FFN role: wrappers of vLLM's engine core and async front end.
 
-When the attention worker loses its group (``afd_patches.workers.regroup``) its
-step raises. Unwrapped, vLLM's engine core then dies and the API server exits.
+When the attention worker loses its group (``afd_patches.workers.regroup``) it
+holds the step up to ``hold_s`` and runs it again once the group re-formed
+(``AfdCausalLMMixin.forward``); only past that (or with ``hold_s`` 0, or on a
+model that cannot run a step twice) does its step raise. Unwrapped, vLLM's
+engine core then dies and the API server exits.
 With these wrappers, on an engine whose ``additional_config["afd"]`` has role
 ``attention`` (read at call time; any other engine runs vLLM's code unchanged,
 apart from one attribute read per step):

@@ -55,7 +55,8 @@ def _engine_args(argv: list[str]) -> tuple[argparse.Namespace, FakeEngineArgs]:
 
 
 ALL_FLAGS = ["--afd-role", "--afd-connector", "--afd-host", "--afd-port", "--afd-num-attention-ranks",
-             "--afd-num-ffn-ranks", "--afd-rank", "--afd-timeout-s", "--afd-token-file", "--afd-cpu-cores"]
+             "--afd-num-ffn-ranks", "--afd-rank", "--afd-timeout-s", "--afd-hold-s", "--afd-token-file",
+             "--afd-cpu-cores"]
 
 
 @pytest.fixture(autouse=True)

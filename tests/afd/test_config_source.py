@@ -25,16 +25,17 @@ def test_committed_schema_and_table_are_what_the_dataclass_generates() -> None:
 
 
 def test_keys_aliases_and_flags_are_the_released_ones() -> None:
-    """The declaration moved; what a user can write did not."""
+    """The declaration moved; what a user can write did not (but for hold_s, added with issue 53)."""
     assert [k.name for k in keys()] == [f.name for f in fields(AfdConfig)] == [
-        "role", "connector", "host", "port", "num_attention_ranks", "num_ffn_ranks", "rank", "timeout_s",
+        "role", "connector", "host", "port", "num_attention_ranks", "num_ffn_ranks", "rank", "timeout_s", "hold_s",
         "connector_extra_config", "token_file", "allow_unauthenticated", "cpu_cores", "compile_ffn"]
     assert all(k.name.endswith("_s") for k in (*keys(), *keys(LinkConfig)) if k.kind is float), (
         "parse names every float key seconds")
     assert ALIASES == {"afd_role": "role", "afd_connector": "connector", "afd_host": "host", "afd_port": "port"}
     assert [f.option for f in cli_flags.flags()] == [
         "--afd-role", "--afd-connector", "--afd-host", "--afd-port", "--afd-num-attention-ranks",
-        "--afd-num-ffn-ranks", "--afd-rank", "--afd-timeout-s", "--afd-token-file", "--afd-cpu-cores"]
+        "--afd-num-ffn-ranks", "--afd-rank", "--afd-timeout-s", "--afd-hold-s", "--afd-token-file",
+        "--afd-cpu-cores"]
     assert [k.name for k in keys(LinkConfig)] == [f.name for f in fields(LinkConfig)] == [
         "backend", "device", "idle_timeout_s", "inline_bytes", "schedule", "data_port", "advertise", "micro_batches",
         "micro_batch_min_tokens"]
