@@ -195,6 +195,6 @@ def gauge_judgement(samples: list[Sample], outcomes: list[Outcome], since: float
             if wrong:
                 run_from = s.t if run_from is None else run_from
                 longest = max(longest, s.t - run_from + SAMPLE_S)
-            elif real is not None:
+            else:  # right, or unknown: a stretch is contradicted sample by sample (a held step answers nothing)
                 run_from = None
     return longest, stale_s

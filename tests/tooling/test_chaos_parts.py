@@ -37,6 +37,18 @@ def test_a_gauge_that_stays_up_through_failures_is_wrong_for_that_long() -> None
     assert gauge_judgement(right, outcomes, 0.0, 100.0)[0] == 0.0
 
 
+def test_a_held_step_that_answers_nothing_for_a_while_is_no_contradiction() -> None:
+    """A step held 26 s (hold_s): the gauge is 0 while no request ends; nothing contradicts it, and the half
+    second around each end (a request answered just before the loss, the gauge up again after the re-formation)
+    does not stretch over the silence."""
+    outcomes = [Outcome("a", t - 1.0, t, "exact") for t in (8.0, 9.0, 9.8)]
+    outcomes += [Outcome("a", 9.5, 36.2, "exact"), Outcome("a", 36.0, 37.0, "exact")]
+    samples = [Sample(8.0 + 0.5 * i, "a", 0.0 if 10.0 <= 8.0 + 0.5 * i <= 36.5 else 1.0, False, True)
+               for i in range(62)]
+    longest, _ = gauge_judgement(samples, outcomes, 0.0, 100.0)
+    assert longest <= 1.5, longest
+
+
 def test_stale_and_unreachable_samples_are_not_judged() -> None:
     outcomes = _outcomes()
     samples = [Sample(11.0 + 0.5 * i, "a", None, True, True) for i in range(6)]
