@@ -83,8 +83,9 @@ def retry_pause(failures: int, cap_s: float = float("inf")) -> float:
 @dataclass(frozen=True)
 class GroupStatus:
     """An attention rank's group as ``afd_group_status()`` reports it (``as_json()`` crosses vLLM's RPC). Times
-    are ``time.time()``. The group was down at some moment since ``t`` iff ``down_since(t)``: it is down now, or
-    an outage began at or after ``t``, or a group formed again at or after ``t`` (so it was down before that)."""
+    are ``time.time()``. The group was down at some moment since ``t`` iff it is down now, or an outage began at
+    or after ``t``, or a group formed again at or after ``t`` (so it was down before that): how
+    ``afd_patches.patches.outage`` judges a failed step or request."""
 
     up: bool
     error: str | None = None  # the last outage's message (kept after the group re-forms)

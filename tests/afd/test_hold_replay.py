@@ -179,6 +179,7 @@ def test_a_step_whose_ffn_does_not_come_back_in_time_fails_naming_it(deployment:
     assert hold_s <= took < hold_s + TIMEOUT_S + SLACK_S, took
     assert "attention rank 0" in str(failed.value)
     assert not d.group.status().up
+    print(f"hold_s {hold_s:g}: the step failed naming the FFN {took:.2f}s after the loss")
 
 
 def test_hold_s_0_fails_the_step_at_once(deployment: Any, afd_caplog: pytest.LogCaptureFixture) -> None:
