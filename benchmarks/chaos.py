@@ -181,8 +181,10 @@ def table(title: str, phases: list[Phase], timeout_s: float) -> str:
     return "\n".join(lines)
 
 
-def figures(family: str, phases: list[Phase], timeout_s: float) -> list[record.Figure]:
-    """Per phase its recovery (the counts in the detail); per deployment the requests that broke a goal."""
+def figures(family: str, phases: list[Phase], timeout_s: float, hold_s: float | None = None,
+            streams: int = 16) -> list[record.Figure]:
+    """Per phase its recovery (the counts in the detail); per deployment the requests that broke a goal, and in a
+    run with ``--hold-s`` those that failed at all."""
     out = []
     for p in phases:
         detail = ", ".join(f"{k} {p.counts[k]}" for k in KINDS) + (
@@ -194,6 +196,15 @@ def figures(family: str, phases: list[Phase], timeout_s: float) -> list[record.F
     out.append(record.Figure(f"{family}_bad", f"{family} {RANKS[family]}A1F, whole schedule: requests wrong, lost, "
                              "hung or failed without naming the cause", sum(p.counts[k] for p in phases for k in BAD),
                              "requests", 0, f"of {sum(sum(p.counts.values()) for p in phases)}"))
+    if hold_s is not None:  # a hold run: did any client see the faults at all?
+        faulted = [p for p in phases if p.name != "steady"]
+        failed = sum(p.counts[k] for p in faulted for k in KINDS if k != "exact")
+        restarts = ", ".join(f"{p.name} {p.fault_s:.0f}s" for p in faulted)
+        out.append(record.Figure(
+            f"{family}_held_failed", f"{family} {RANKS[family]}A1F, {streams} streams through {restarts} (hold_s "
+            f"{hold_s:g}): requests that failed", failed, "requests", 0,
+            f"of {sum(sum(p.counts.values()) for p in faulted)}, every other exact; longest exact request "
+            f"{max(p.longest_s for p in faulted):.1f}s", readme=6 if family == "llama" else None))
     return out
 
 
@@ -210,7 +221,7 @@ def run_family(lab: Lab, family: str, args: argparse.Namespace, work: Path,
     title = (f"{family} {RANKS[family]}A1F, {args.streams} streams x {args.max_tokens} tokens, timeout_s "
              f"{args.timeout_s:g}{hold}, up in {up_s:.0f}s{'' if settled else '; requests still open at the end'}")
     d.stop_all()
-    return table(title, phases, args.timeout_s), figures(family, phases, args.timeout_s)
+    return table(title, phases, args.timeout_s), figures(family, phases, args.timeout_s, args.hold_s, args.streams)
 
 
 def _raise_exit(signum: int, frame: FrameType | None) -> None:

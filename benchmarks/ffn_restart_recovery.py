@@ -9,7 +9,8 @@ new FFN server on the same AFD port and sends the same completion every
 FFN server's start (started → ``/health`` 200), the recovery after it
 (FFN ``/health`` 200 → first successful request, which includes the attention
 worker's re-formation), and the whole outage (FFN started → first success).
-The attention server keeps its pid throughout. With ``--record`` the medians go to benchmarks/results/.
+The attention server keeps its pid throughout and holds no step (``hold_s`` 0: requests fail while the FFN is
+down). With ``--record`` the medians go to benchmarks/results/.
 
     python -m benchmarks.ffn_restart_recovery [--rounds 3] [--timeout-s 5] [--record]
 """
@@ -61,7 +62,10 @@ def main() -> None:
     rows: list[tuple[float, float, float]] = []
     try:
         ffn.wait_healthy()
-        attn = Server("attention", model, work, [*ARCH, "--afd-role", "attention", *afd], env, None)
+        # hold_s 0: the requests of the outage fail at once (a hold would keep them until the FFN is back; that is
+        # ``benchmarks.chaos --hold-s``)
+        attn = Server("attention", model, work, [*ARCH, "--afd-role", "attention", "--afd-hold-s", "0", *afd],
+                      env, None)
         attn.wait_healthy()
         expected = complete(attn.port, model)
         for i in range(1, args.rounds + 1):
