@@ -360,9 +360,11 @@ class _Inbox:
         return None
 
     def spare(self, err: LinkError) -> bool:
-        """A member's link timed out while others remain: drop it (True) instead of failing the connector."""
+        """A member's link timed out, or (on tcp, where each member has its own socket) closed because its process
+        died, while others remain: drop it (True) instead of failing the connector."""
         members = self.members.members()
-        if not isinstance(err, LinkTimeout) or err.peer not in members or len(members) < 2:
+        lost = isinstance(err, LinkTimeout) or (isinstance(err, LinkClosed) and self.endpoint.spec.backend == "tcp")
+        if not lost or err.peer not in members or len(members) < 2:
             return False
         at = self.last or wire.Header(wire.KIND_DATA, 0, self.members.next_step, 0, (), "", False)
         self.members.drop(err.peer, at, f"{err} (its link's bound: timeout_s={self.timeout_s:g}s)")

@@ -3,7 +3,8 @@
 A served rank is a *member* unless it closed (its ``CLOSE`` header) or was dropped. A member is dropped
 (``drop``) when it missed a ``batched`` step by ``timeout_s`` (``schedule``), or, while others remain, when its
 link timed out under any schedule: silent for ``alive_s`` (frozen: not even its keep-alive thread runs), or a
-header not complete ``timeout_s`` after its first byte (a trickle). A dropped rank is logged once and sent a
+header not complete ``timeout_s`` after its first byte (a trickle); on tcp also when its link closed without its
+``CLOSE`` (its process died). A dropped rank is logged once and sent a
 ``KIND_DROP`` header naming the step it missed (in its own numbering), its link is closed, and it is not waited
 for again; on FFN rank 0 of a tcp group serving several ranks (``GroupSpec.takes_back``) it re-joins the live
 group (``readmit``, through ``rendezvous.Rejoins``) with a new link.

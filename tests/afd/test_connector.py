@@ -658,8 +658,8 @@ def test_port_in_use_by_another_program(talks: bool) -> None:
 @pytest.mark.parametrize("schedule,a", [("batched", 1), ("pingpong", 2)])
 def test_attention_killed_while_ffn_waits_idle_is_noticed_at_once(schedule: str, a: int) -> None:
     """An idle but live attention rank keeps the FFN waiting; once it is killed, the FFN's idle wait
-    (a week by default) ends at once with an error naming the lost rank and the group (pingpong: while
-    the other rank stays silent)."""
+    (a week by default) ends at once with an error naming the lost rank and the group. With two ranks
+    (pingpong) the first killed is dropped (tcp) and the FFN serves on; the last one's death ends it."""
     port = free_port()
     queue = _CTX.Queue()
     procs = [start(ffn_worker, make_config("ffn", 0, port, a=a, schedule=schedule), queue)]
@@ -669,16 +669,19 @@ def test_attention_killed_while_ffn_waits_idle_is_noticed_at_once(schedule: str,
         collect(queue, {"attention-joined"}, 30)
     with pytest.raises(queue_mod.Empty):
         queue.get(timeout=2.0)  # alive and idle: the FFN keeps serving (nothing reported)
+    for victim in procs[1:-1]:  # all but the last: each is dropped, the FFN goes on
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(queue_mod.Empty):
+            queue.get(timeout=2.0)
     t0 = time.monotonic()
-    os.kill(procs[1].pid, signal.SIGKILL)
+    os.kill(procs[-1].pid, signal.SIGKILL)
     res = collect(queue, {"ffn0"}, 2 * SLACK_S)["ffn0"]
     elapsed = time.monotonic() - t0
-    for p in procs[2:]:
-        p.kill()  # the other silent rank
     _join_all(procs, 10)
     print(f"{elapsed:.2f}s", res["message"])
     assert res["error"] == "ConnectorError", res
-    assert "lost attention rank 0" in res["message"] and f"127.0.0.1:{port}" in res["message"], res["message"]
+    last = a - 1
+    assert f"lost attention rank {last}" in res["message"] and f"127.0.0.1:{port}" in res["message"], res["message"]
     assert res["calls"] == 0 and elapsed < SLACK_S, (elapsed, res)
 
 

@@ -133,6 +133,43 @@ def test_a_frozen_rank_is_dropped_and_its_sibling_served_on(schedule: str, froze
     assert not any(f"attention rank {other} " in line for line in f["log"]), f["log"]
 
 
+def dying(cfg: AfdConfig, die_at: int, died: Any) -> None:
+    """``die_at`` steps, the send of layer 0 of the next, then the process exits at once (its sockets close
+    without a ``CLOSE``: a crash or a SIGKILL, as the FFN sees it)."""
+    torch.set_num_threads(1)
+    conn = TorchDistConnector(cfg)
+    conn.init(FORM_S)
+    for step in range(die_at):
+        _step(conn, cfg.rank, step, 3)
+    conn.send_attn_output(attn_input(cfg.rank, 0, die_at, 3), 0, die_at)
+    died.set()
+    os._exit(1)
+
+
+@pytest.mark.parametrize("schedule", ["batched", "pingpong"])
+def test_a_dead_rank_is_dropped_and_its_sibling_served_on(schedule: str) -> None:
+    """On tcp a rank whose process died (its link closed without a CLOSE) costs its sibling nothing: the FFN drops
+    it, naming it, and serves the sibling on (the group used to end, and the sibling's exchange with it)."""
+    port = free_port()
+    queue, done, died = _CTX.Queue(), _CTX.Event(), _CTX.Event()
+    cfgs = _configs(port, schedule)
+    procs = [start(logged_ffn_worker, cfgs["ffn", 0], queue, None, None, FORM_S),
+             start(dying, cfgs["attention", 1], 3, died),
+             start(sibling, cfgs["attention", 0], done, queue)]
+    try:
+        assert died.wait(RUN_S), "the rank to kill never got there"
+        time.sleep(2 * TIMEOUT_S)  # the sibling steps on meanwhile
+    finally:
+        done.set()
+    got = collect(queue, {"ffn0", "attention0"}, RUN_S + 30)
+    _join_all(procs, 10)
+    s, f = got["attention0"], got["ffn0"]
+    assert s["error"] is None and s["mismatches"] == 0 and s["longest_wait"] <= 2 * TIMEOUT_S, s
+    drops = [line for line in f["log"] if "dropped attention rank" in line]
+    assert len(drops) == 1 and "dropped attention rank 1 " in drops[0], f["log"]
+    assert not any("attention rank 0 " in line for line in f["log"]), f["log"]
+
+
 def trickling(cfg: AfdConfig, done: Any, queue: Any) -> None:
     """Two steps, then the header of the next one byte a second, ``TRICKLE_BYTES`` of it (no keep-alive between:
     the link's send lock is held), then a wait for the answer."""
