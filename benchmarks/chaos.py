@@ -268,7 +268,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.record:
-        record.write("chaos" if args.hold_s is None else "chaos_hold", figs)  # a hold run keeps its own file
+        record.write("chaos", figs, name="chaos" if args.hold_s is None else "chaos_hold")  # a hold run: its own file
 
 
 if __name__ == "__main__":

@@ -86,10 +86,12 @@ def host() -> str:
     return f"{cores} cores ({_cpu_model()}), Python {platform.python_version()}, {_vllm()}"
 
 
-def write(benchmark: str, figures: list[Figure], argv: list[str] | None = None, commit: str | None = None) -> Path:
-    """Write ``figures`` as ``benchmarks/results/<benchmark>.json``; its path. ``commit``: the commit measured
-    (default: this checkout's HEAD, ``+dirty`` with uncommitted changes); ``argv``: the arguments to show
-    (default: this process's)."""
+def write(benchmark: str, figures: list[Figure], argv: list[str] | None = None, commit: str | None = None,
+          name: str | None = None) -> Path:
+    """Write ``figures`` as ``benchmarks/results/<name>.json`` (``name``: by default ``benchmark``, the module
+    ``benchmarks.<benchmark>`` that measured them); its path. ``commit``: the commit measured (default: this
+    checkout's HEAD, ``+dirty`` with uncommitted changes); ``argv``: the arguments to show (default: this
+    process's)."""
     if commit is None:
         commit = _git("rev-parse", "--short=9", "HEAD") or "unknown"
         if _git("status", "--porcelain", "--untracked-files=no"):
@@ -101,7 +103,7 @@ def write(benchmark: str, figures: list[Figure], argv: list[str] | None = None, 
             del args[at:at + (2 if flag == "--commit" else 1)]
     args = [a for a in args if not a.startswith("--commit=")]
     doc = {
-        "benchmark": benchmark,
+        "benchmark": name or benchmark,
         "command": " ".join(["python -m", f"benchmarks.{benchmark}", *args]),
         "date": datetime.date.today().isoformat(),
         "commit": commit,
@@ -109,7 +111,7 @@ def write(benchmark: str, figures: list[Figure], argv: list[str] | None = None, 
         "figures": [{k: v for k, v in asdict(f).items() if (k, v) not in _UNSET} for f in figures],
     }
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{benchmark}.json"
+    path = RESULTS / f"{name or benchmark}.json"
     path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     print(f"recorded: {path}")
     return path
