@@ -367,7 +367,8 @@ class _Inbox:
         if not lost or err.peer not in members or len(members) < 2:
             return False
         at = self.last or wire.Header(wire.KIND_DATA, 0, self.members.next_step, 0, (), "", False)
-        self.members.drop(err.peer, at, f"{err} (its link's bound: timeout_s={self.timeout_s:g}s)")
+        bound = f" (its link's bound: timeout_s={self.timeout_s:g}s)" if isinstance(err, LinkTimeout) else ""
+        self.members.drop(err.peer, at, f"{err}{bound}")
         return True
 
     def drop(self, peer: int, at: wire.Header, why: str) -> None:
