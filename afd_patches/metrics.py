@@ -173,11 +173,6 @@ class AfdMetrics:
         if not self.changed.is_set():
             self.changed.set()
 
-    @property
-    def buckets(self) -> list[int]:
-        """The exchange latency histogram's bucket counts (the last one is +Inf)."""
-        return self.histograms["exchange_latency_seconds"]
-
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {"counts": dict(self.counts)}
         for name, h in HISTOGRAMS.items():

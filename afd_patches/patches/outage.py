@@ -198,8 +198,7 @@ async def check_health_with_afd_group(original: Callable[..., Any], client: Any,
     if ranks:
         afd = client.vllm_config.additional_config[CONFIG_KEY]
         raise _error_type()(f"AFD: attention rank(s) {', '.join(map(str, sorted(ranks)))} have no FFN group at "
-                            f"{afd.get('host')}:{afd.get('port')} (re-forming by itself; steps wait up to "
-                            "hold_s for it)")
+                            f"{afd.get('host')}:{afd.get('port')} (re-forming by itself)")
     if ranks is None:  # no current snapshot says: ask the workers (waits for the engine to be between steps)
         down = _first_down(await client.collective_rpc("afd_group_status", timeout=STATUS_RPC_S))
         if down is not None:

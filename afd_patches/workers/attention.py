@@ -116,8 +116,6 @@ class AttentionRoleMixin(RoleBase):
         hold_s = hold_seconds(self.vllm_config, cfg, model) if tp is None else 0.0
         self._afd_group = AttentionGroup(cfg.rank, f"{cfg.host}:{cfg.port}", lambda: build_connector(cfg, identity),
                                          link, opts.idle_timeout_s, cfg.timeout_s, tick, hold_s)
-        if hold_s > 0:
-            link.hold = self._afd_group.hold
         self._afd_group.start()  # the warm-up/profile forwards that follow already exchange with the FFN role
         if opts.micro_batches > 1:
             logger.info("AFD attention rank %d: steps of at least %d tokens run as %d micro-batches", cfg.rank,

@@ -30,7 +30,8 @@
       lost connector and runs the ``FormationLoop`` at the same address until a group forms (bound to the
       link under its lock, logged, counted as ``vllm:afd_group_reformations``) or ``stop()``. It returns the
       ``AfdGroupDown`` to raise. Later calls during the same outage change nothing.
-    - ``hold(error, since)``: the model's forward met ``error`` (``AfdLink.hold``, ``hold_s`` > 0). It records
+    - ``hold(error, since)``: the model's forward met ``error`` (the group binds it as ``AfdLink.hold`` when
+      ``hold_s`` > 0). It records
       the loss as ``lost`` does, then waits until a group is bound again, at most ``hold_s`` after ``since``
       (when that step was first held): then it returns and the forward runs the step again from its first
       layer (counted as ``vllm:afd_replayed_steps``); else, or on ``stop()``, it raises the step's
@@ -223,6 +224,8 @@ class AttentionGroup:
         self.timeout_s = timeout_s  # bounds the first group (formed inside vLLM's load_model) and retry pauses
         self.hold_s = hold_s  # how long a step that lost its FFN waits for the group (``hold``); 0: not at all
         self._up = threading.Event()  # set while a group is bound
+        if hold_s > 0:
+            link.hold = self.hold  # the model's forward holds a step that met a connector error
         self.tick = tick
         self.connector: Connector | None = None
         self.earlier = MessageTally()  # the connectors of groups lost so far

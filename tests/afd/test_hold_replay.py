@@ -101,8 +101,6 @@ class _Deployment:
         self.link = AfdLink(LAYERS, 8)
         self.group = AttentionGroup(0, f"127.0.0.1:{port}", lambda: build_connector(attn_cfg, IDENTITY), self.link,
                                     60.0, TIMEOUT_S, tick=False, hold_s=hold_s)
-        if hold_s > 0:
-            self.link.hold = self.group.hold
         self.group.start()
         self.model = _model(self.link)
 
@@ -223,7 +221,6 @@ def test_two_attention_ranks_both_hold_and_replay_across_one_ffn_restart(schedul
         link = AfdLink(LAYERS, 8)
         group = AttentionGroup(rank, f"127.0.0.1:{port}", lambda cfg=cfg: build_connector(cfg, IDENTITY), link, 60.0,
                                TIMEOUT_S, tick=False, hold_s=30.0)
-        link.hold = group.hold
         ranks.append((group, _model(link)))
     results: dict[int, list[bool]] = {0: [], 1: []}
     errors: list[BaseException] = []

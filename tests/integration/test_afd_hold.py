@@ -19,7 +19,6 @@ import signal
 import threading
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from tests.integration.test_afd_server import (
     _token_id,
     _wait_gauge,
     _wait_healthy,
+    attention_sample,
     stream_events,
 )
 
@@ -92,11 +92,7 @@ class Held:
 
     def metric(self, name: str) -> float:
         """The attention server's ``name`` sample (role attention), 0 if absent."""
-        with urllib.request.urlopen(f"http://{HOST}:{self.attn_port}/metrics", timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith(name + "{") and 'role="attention"' in line:
-                    return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return attention_sample(self.attn_port, name) or 0.0
 
 
 @pytest.fixture(scope="module")

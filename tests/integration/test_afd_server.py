@@ -325,12 +325,17 @@ def _http_error(port: int, path: str, body: dict[str, Any] | None = None) -> tup
         return e.code, e.read().decode(errors="replace"), time.monotonic() - t0
 
 
-def _group_up_gauge(port: int) -> float | None:
+def attention_sample(port: int, name: str) -> float | None:
+    """The value of the attention role's sample ``name`` on the server's ``/metrics``; None if absent."""
     with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("vllm:afd_group_up{") and 'role="attention"' in line:
+            if line.startswith(name + "{") and 'role="attention"' in line:
                 return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def _group_up_gauge(port: int) -> float | None:
+    return attention_sample(port, "vllm:afd_group_up")
 
 
 def _wait_gauge(port: int, value: float, timeout_s: float = 10.0) -> None:
