@@ -10,8 +10,9 @@
 # The inner loop runs at normal priority and everything else under `nice -n 5`: it needs little CPU but holds
 # timing bounds (a rank's 2 s deadline), and done early it lets the smokes start beside the first stream.
 # Arguments go to both pytest sessions; with JUNIT_PREFIX=P they write P-vllm.xml / P-rest.xml. Either stream
-# failing fails the run. Prints the wall time of each part ("ci-time: ...") and, last, the failed tests of both
-# streams again (a log cut to its tail still names them). Its logs live in a temporary folder removed at its exit.
+# failing fails the run. Prints the wall time of each part ("ci-time: ...") and, last, each stream's exit code,
+# pytest's result lines and the failed tests (or crashed workers) of both streams again (a log cut to its tail still
+# names them). Its logs live in a temporary folder removed at its exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 logs=$(mktemp -d)
@@ -54,5 +55,7 @@ echo "---- stream 2, run alongside: the tests that start no vLLM (-m \"not vllm\
 cat "$logs/stream2"
 echo "ci-time: all tests $((SECONDS - start)) s"
 # the failures of both streams again, last, where a truncated log still shows them
-grep -hE "^(FAILED|ERROR) |^nox > Session .* (failed|aborted)" "$logs/stream1" "$logs/stream2" || true
+echo "ci-time: stream 1 (vllm) exit $status, stream 2 (not vllm, smokes) exit $(cat "$logs/stream2.rc")"
+grep -hE "^(FAILED|ERROR) |^INTERNALERROR|node down|crashed|^nox > Session .* (failed|aborted)|^=+ .*(passed|failed|error)" \
+  "$logs/stream1" "$logs/stream2" || true
 [ "$status" -eq 0 ] && [ "$(cat "$logs/stream2.rc")" -eq 0 ]
