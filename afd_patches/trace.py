@@ -56,6 +56,20 @@ def now_us() -> float:
     return time.monotonic_ns() / 1000.0
 
 
+def read(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The complete events (``"ph": "X"``) of every ``*afd-trace-*.json`` file under ``directory``, read as data;
+    a file a killed process left (no closing ``]``) included. What ``scripts/render_trace.py`` and the cost model
+    of ``benchmarks.pingpong_model`` read."""
+    from pathlib import Path
+
+    events: list[dict[str, Any]] = []
+    for path in sorted(Path(directory).glob("*afd-trace-*.json")):
+        text = path.read_text().rstrip().rstrip(",")
+        rows = json.loads(text + ("]" if not text.endswith("]") else ""))
+        events.extend(e for e in rows if isinstance(e, dict) and e.get("ph") == "X")
+    return events
+
+
 def _max_events() -> int:
     raw = os.environ.get(MAX_EVENTS_ENV, str(DEFAULT_MAX_EVENTS))
     try:

@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
@@ -84,9 +85,11 @@ class Setup:
 
     def __init__(self, label: str, family: str, model: Path, work: Path, env: dict[str, str],
                  args: argparse.Namespace, micro_batches: int = 0, ranks: int = 1,
-                 min_tokens: int | None = None) -> None:
+                 min_tokens: int | None = None, via: Callable[[int], int] | None = None) -> None:
+        """``via``: maps the FFN's port to the port the attention servers are given (a relay in front of the FFN,
+        ``benchmarks.afd_link_delay``); none: the FFN's own."""
         self.label, self.family, self.model, self.work, self.env, self.args = label, family, model, work, env, args
-        self.micro_batches, self.ranks, self.min_tokens = micro_batches, ranks, min_tokens
+        self.micro_batches, self.ranks, self.min_tokens, self.via = micro_batches, ranks, min_tokens, via
         self.servers: list[Server] = []
         self.cpu = 0.0  # CPU seconds over this setup's own rounds
 
@@ -114,6 +117,8 @@ class Setup:
         arch = ["--hf-overrides", json.dumps({"architectures": [ARCH[self.family]]})]
         self._server("ffn", FFN_CORE, [*arch, "--afd-role", "ffn", "--additional-config",
                                         json.dumps({"afd": afd})]).wait_healthy()
+        if self.via is not None:
+            afd["port"] = self.via(afd["port"])
         config = ["--additional-config", json.dumps({"afd": afd})]
         attns = [self._server(f"attn{rank}", ATTENTION_CORE,
                               [*arch, "--afd-role", "attention", "--afd-rank", str(rank), *config])

@@ -12,24 +12,15 @@ the files as data (JSON events only); draws with Pillow (a vLLM dependency).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageDraw
 
+from afd_patches import trace
+
 COLORS = {"attention": (66, 133, 244), "send": (160, 160, 160), "wait": (219, 68, 55), "ffn": (15, 157, 88)}
 LANE_H, PAD, LEFT, WIDTH = 34, 8, 150, 1400
-
-
-def load(directory: Path) -> list[dict[str, Any]]:
-    """Every complete event of the ``*afd-trace-*.json`` files under ``directory``."""
-    events: list[dict[str, Any]] = []
-    for path in sorted(directory.glob("*afd-trace-*.json")):
-        text = path.read_text().rstrip().rstrip(",")
-        rows = json.loads(text + ("]" if not text.endswith("]") else ""))
-        events.extend(e for e in rows if isinstance(e, dict) and e.get("ph") == "X")
-    return events
 
 
 def pick_step(events: list[dict[str, Any]]) -> int:
@@ -87,7 +78,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--title", default="AFD")
     args = parser.parse_args()
-    events = load(args.directory)
+    events = trace.read(args.directory)
     step = args.step if args.step is not None else pick_step(events)
     render(events, step, args.out, args.title)
     print(f"wrote {args.out} (step {step})")

@@ -10,7 +10,6 @@ child's own mount namespace (``ENOSPC``). A child reports what it saw as one JSO
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import logging
 import os
@@ -41,15 +40,6 @@ def _child(script: str, *args: str, wrap: list[str] | None = None) -> dict[str, 
     result = json.loads(lines[-1])
     result["stderr"] = done.stderr
     return result
-
-
-def _render_trace_load(directory: Path) -> list[dict[str, Any]]:
-    """``scripts/render_trace.py``'s reader (the one the docs point at) over ``directory``."""
-    spec = importlib.util.spec_from_file_location("render_trace", REPO / "scripts" / "render_trace.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.load(directory)
 
 
 def _assert_whole_lines(path: Path) -> None:
@@ -105,7 +95,7 @@ def test_a_trace_write_over_the_file_size_limit_is_counted_and_tracing_resumes(t
     assert "EFBIG" in out["stderr"], out["stderr"]
     path = Path(out["path"])
     _assert_whole_lines(path)
-    assert [e["args"]["layer"] for e in _render_trace_load(directory)] == [0, 9]
+    assert [e["args"]["layer"] for e in trace.read(directory)] == [0, 9]
 
 
 class _FlakyWrites:
@@ -147,7 +137,7 @@ def test_no_oserror_leaves_the_tracer(tmp_path: Path, monkeypatch: pytest.Monkey
     assert sum("writing again" in r.getMessage() for r in caplog.records) == 1
     (path,) = directory.iterdir()
     _assert_whole_lines(path)
-    assert [e["args"]["layer"] for e in _render_trace_load(directory)] == [3]
+    assert [e["args"]["layer"] for e in trace.read(directory)] == [3]
 
 
 def test_a_cut_record_that_cannot_be_taken_back_stops_tracing_without_raising(
@@ -203,7 +193,7 @@ def test_a_bad_event_limit_does_not_stop_the_role(tmp_path: Path, monkeypatch: p
     tracer = trace.Tracer()
     assert tracer.start("ffn", 0)
     tracer.event("ffn", "ffn", 1.0, 2.0, layer=0, microbatch=0, step=0)
-    assert len(_render_trace_load(directory)) == 1
+    assert len(trace.read(directory)) == 1
 
 
 # ------------------------------------------------------------------ metrics
@@ -320,7 +310,7 @@ def test_diagnostics_on_a_full_disk(tmp_path: Path) -> None:
     copy.mkdir()
     (tmp_path / "copy.json").rename(copy / "afd-trace-ffn-0-1.json")
     _assert_whole_lines(copy / "afd-trace-ffn-0-1.json")
-    layers = [e["args"]["layer"] for e in _render_trace_load(copy)]  # 0, those that fitted in its last page, 100
+    layers = [e["args"]["layer"] for e in trace.read(copy)]  # 0, those that fitted in its last page, 100
     assert layers == [*range(len(layers) - 1), 100] and len(layers) - 2 + out["failures"] == 59, layers
     assert not any(mount.iterdir())  # the tmpfs went with the child's namespace
 

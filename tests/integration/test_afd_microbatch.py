@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from harness.delay_link import DelayLink
 from harness.engine import ARCH
 from tests.integration.test_afd_e2e import (
     PLAIN_CANNOT_RUN,
@@ -28,10 +29,10 @@ from tests.integration.test_afd_e2e import (
 
 pytestmark = pytest.mark.vllm
 
-# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 119 alone: 14 plains, 42 pairs, four 2A1F
-# triples, the compiled triple, two mixed triples; after test_afd_e2e 77, its plain results and its 14 1A1F pairs
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 121 alone: 14 plains, 43 pairs, four 2A1F
+# triples, the compiled triple, two mixed triples; after test_afd_e2e 79, its plain results and its 14 1A1F pairs
 # (the N = 1 column) shared.
-ENGINE_BUDGET = 119
+ENGINE_BUDGET = 121
 # On the pytest-xdist worker of the other module that shares the 1A1F pairs (tests/conftest.py).
 XDIST_GROUP = "afd-1a1f-pairs"
 
@@ -148,3 +149,27 @@ def test_mixed_prefill_decode_steps_split_exactly(workdir: Path, family: str) ->
     ], workdir, stagger_s=1.0)
     _assert_same_outputs(plain, attn)
     _check_split(attn, ffn, 2)
+
+
+def test_three_micro_batches_over_a_delayed_link_stay_exact(workdir: Path) -> None:
+    """Issue 49: the attention engine reaches the FFN through a relay that holds every byte 1 ms each way
+    (``harness.delay_link``: messages of several micro-batches in flight at once, as on a long link). Three
+    micro-batches stay exact against plain vLLM (tokens, top-5 logprobs), every step's micro-batches were answered,
+    and the relay did hold what it carried."""
+    family = "llama"
+    model, plain = _model_and_plain(workdir, family)
+    afd = _micro(_afd(1), 3)
+    afd["connector_extra_config"]["backend"] = "tcp"  # the tensors go through the session socket: the relay
+    link = DelayLink(("127.0.0.1", afd["port"]), 0.001)
+    try:
+        ffn, attn = _run_engines([
+            _spec(f"{family}-delayed-ffn", "ffn", model, family, {**afd, "role": "ffn"}),
+            _spec(f"{family}-delayed-attn", "attention", model, family,
+                  {**afd, "role": "attention", "port": link.port}),
+        ], workdir, stagger_s=1.0)
+        chunks, least_held = link.stats()
+    finally:
+        link.close()
+    _assert_same_outputs(plain, attn)
+    _check_split(attn, ffn, 3)
+    assert chunks >= attn["stats"][0]["messages_sent"] and least_held >= 0.001

@@ -1,0 +1,163 @@
+"""The parts of the delayed-link benchmark (issue 49): the delay relay and the ping-pong cost model."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from benchmarks import pingpong_model as pm
+from harness.delay_link import DelayLink, RelayProcess, echo_server, relay_cost
+
+
+@pytest.fixture
+def echo() -> Iterator[tuple[str, int]]:
+    """An echo server on loopback: what the relay is put in front of."""
+    with echo_server() as address:
+        yield address
+
+
+def _roundtrip(sock: socket.socket, payload: bytes) -> float:
+    start = time.monotonic()
+    sock.sendall(payload)
+    got = b""
+    while len(got) < len(payload):
+        got += sock.recv(65536)
+    assert got == payload
+    return time.monotonic() - start
+
+
+def test_the_relay_holds_each_byte_the_delay_each_way_and_keeps_order(echo: tuple[str, int]) -> None:
+    link = DelayLink(echo, 0.020)
+    try:
+        with socket.create_connection(("127.0.0.1", link.port)) as sock:
+            assert _roundtrip(sock, b"a" * 100) >= 0.040  # 20 ms up, 20 ms down
+            link.delay_s = 0.0
+            assert _roundtrip(sock, b"b" * 100) < 0.020
+        chunks, least = link.stats()
+        assert chunks >= 4 and least == 0.0
+    finally:
+        link.close()
+
+
+def test_the_sender_is_not_blocked_and_messages_are_in_flight_together(echo: tuple[str, int]) -> None:
+    """Ten messages sent back to back through a 50 ms link come back after about one round trip, not ten."""
+    link = DelayLink(echo, 0.050)
+    try:
+        with socket.create_connection(("127.0.0.1", link.port)) as sock:
+            start = time.monotonic()
+            for i in range(10):
+                sock.sendall(bytes([i]) * 10)
+            assert time.monotonic() - start < 0.050  # every send returned at once
+            got = b""
+            while len(got) < 100:
+                got += sock.recv(65536)
+            took = time.monotonic() - start
+        assert got == b"".join(bytes([i]) * 10 for i in range(10))  # in order
+        assert 0.100 <= took < 0.400
+    finally:
+        link.close()
+
+
+def test_the_relay_process_changes_its_delay_while_connected(echo: tuple[str, int]) -> None:
+    relay = RelayProcess(echo, 0.0)
+    try:
+        with socket.create_connection(("127.0.0.1", relay.port)) as sock:
+            fast = _roundtrip(sock, b"x" * 64)
+            relay.set_delay(0.030)
+            assert _roundtrip(sock, b"y" * 64) >= 0.060 > fast
+    finally:
+        relay.stop()
+    assert relay.proc.returncode == 0
+
+
+def _calibration(attention: float, ffn: float, latency: float = 0.0, overhead: float = 0.0,
+                 layers: int = 4) -> pm.Calibration:
+    """Costs proportional to the batch size (per token: ``attention``, ``ffn``), fixed latency and overhead."""
+    return pm.Calibration(layers, {b: pm.Costs(attention * b, ffn * b, latency, overhead) for b in (1, 64)})
+
+
+def test_one_micro_batch_is_the_sum_of_its_parts() -> None:
+    cal = _calibration(1e-4, 2e-4, latency=1e-4, overhead=1e-3)
+    step = pm.step_seconds(cal, 16, 1, 0.001)
+    assert step == pytest.approx(1e-3 + 4 * (16e-4 + 32e-4 + 1e-4 + 2e-3))
+
+
+def test_enough_micro_batches_hide_the_link_and_the_model_names_them() -> None:
+    """Attention and FFN of equal cost: the cycle is bound by one micro-batch's round trip until N·a covers it."""
+    cal = _calibration(1e-4, 1e-4)  # 16 tokens: a = f = 1.6 ms per layer unsplit
+    no_link = pm.step_seconds(cal, 16, 1, 0.0)
+    assert no_link == pytest.approx(4 * 3.2e-3)
+    # at N = 4 each micro-batch is 0.4 ms on each side; a 1 ms link: cycle max(1.6, 1.6, 0.4 + 2 + 0.4) = 2.8 ms
+    assert pm.step_seconds(cal, 16, 4, 0.001) < no_link
+    assert pm.best_n(cal, 16, 0.0) > 1  # overlap pays even with no delay
+    assert pm.best_n(cal, 16, 0.002) == 4
+    assert pm.throughput(cal, 16, 4, 0.002) < pm.throughput(cal, 16, 4, 0.0)
+
+
+def test_handover_and_split_costs_count_only_for_split_steps() -> None:
+    cal = pm.Calibration(2, {1: pm.Costs(1e-4, 1e-4, 0.0, 0.0), 64: pm.Costs(64e-4, 64e-4, 0.0, 0.0)},
+                         handover_s=1e-3, split_s=5e-3)
+    assert pm.step_seconds(cal, 8, 1, 0.0) == pytest.approx(2 * 16e-4)
+    assert pm.step_seconds(cal, 8, 2, 0.0) > pm.step_seconds(cal, 8, 1, 0.0) + 5e-3
+
+
+def test_split_is_even_and_never_empty() -> None:
+    assert pm.split(16, 3) == [6, 5, 5]
+    assert pm.split(2, 4) == [1, 1]
+    assert sum(pm.split(64, 4)) == 64
+
+
+def _event(name: str, tid: str, ts: float, dur: float, step: int, layer: int, k: int = 0,
+           tokens: int | None = None) -> dict[str, object]:
+    args: dict[str, object] = {"step": step, "layer": layer, "microbatch": k}
+    if tokens is not None:
+        args["tokens"] = tokens
+    return {"name": name, "ph": "X", "pid": "p", "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def _trace(tokens: int, micro_batches: int, steps: int, first_step: int = 1) -> list[dict[str, object]]:
+    """A synthetic trace: per layer and micro-batch attention 100 µs + send 10 µs (each micro-batch at N > 1 30 µs
+    more), FFN 200 + 20 µs, wait 400 µs at N = 1; steps 1 ms apart (N > 1: 1.5 ms)."""
+    events = []
+    t = 0.0
+    for step in range(first_step, first_step + steps):
+        begin = t
+        for layer in range(2):
+            for k in range(micro_batches):
+                extra = 30.0 if micro_batches > 1 else 0.0
+                events += [_event("attention", f"micro-batch {k}", t, 100 + extra, step, layer, k),
+                           _event("send", f"micro-batch {k}", t + 100 + extra, 10, step, layer, k),
+                           _event("ffn", "ffn", t + 120, 200, step, layer, k, tokens // micro_batches),
+                           _event("send", "ffn", t + 320, 20, step, layer, k, tokens // micro_batches),
+                           _event("wait", f"micro-batch {k}", t + 110 + extra, 400, step, layer, k)]
+                t += 510 + extra
+        t += 1000 if micro_batches == 1 else 1500
+        assert t > begin
+    return events
+
+
+def test_the_calibration_reads_the_costs_from_a_trace() -> None:
+    n1 = _trace(8, 1, 6) + _trace(16, 1, 6, first_step=100)
+    n2 = _trace(16, 2, 6)
+    cal = pm.calibrate(n1, n2, layers=2)
+    costs = cal.points[16]
+    assert costs.attention_s == pytest.approx(110e-6)
+    assert costs.ffn_s == pytest.approx(220e-6)
+    assert costs.latency_s == pytest.approx(180e-6)
+    assert costs.overhead_s == pytest.approx(1000e-6)
+    assert sorted(cal.points) == [8, 16]
+    assert cal.handover_s == pytest.approx(30e-6)
+    assert cal.split_s == pytest.approx(500e-6)
+
+
+def test_a_trace_without_two_batch_sizes_is_refused() -> None:
+    with pytest.raises(ValueError, match="1 batch size"):
+        pm.calibrate(_trace(8, 1, 6), [], layers=2)
+
+
+def test_the_relay_cost_is_measured_against_the_direct_round_trip() -> None:
+    cost = relay_cost([0.0, 0.005], pings=20)
+    assert cost[-1] > 0 and 0 <= cost[0.0] < 0.005 <= cost[0.005] < 0.05
