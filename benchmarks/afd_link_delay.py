@@ -95,8 +95,8 @@ class Deployment:
         return rate
 
 
-def calibrate(family: str, model: Path, work: Path, env: dict[str, str], args: argparse.Namespace,
-              layers: int) -> pingpong_model.Calibration:
+def calibrate(family: str, model: Path, work: Path, env: dict[str, str],
+              args: argparse.Namespace) -> pingpong_model.Calibration:
     """Trace N = 1 and N = 2 at D = 0 through the relay (``CALIBRATION``); the model's inputs."""
     events = {}
     for n, sizes in CALIBRATION.items():
@@ -109,7 +109,7 @@ def calibrate(family: str, model: Path, work: Path, env: dict[str, str], args: a
                 time.sleep(SETTLE_S)
                 load(d.setup.ports, model, size, CALIBRATION_TOKENS)
         events[n] = trace.read(folder)
-    return pingpong_model.calibrate(events[1], events[2], layers)
+    return pingpong_model.calibrate(events[1], events[2])
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
@@ -148,7 +148,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
         grid_s = time.monotonic() - started
         cal = None
         if args.predict:
-            cal = calibrate(family, model, work, env, args, int(overrides.get("num_hidden_layers", 2)))
+            cal = calibrate(family, model, work, env, args)
     return {"name": name, "family": family, "cells": cells, "calibration": cal, "grid_s": grid_s}
 
 
@@ -199,9 +199,10 @@ def report(result: dict[str, object], args: argparse.Namespace, relay: dict[floa
 
 def plot(results: list[dict[str, object]], args: argparse.Namespace, out: Path) -> None:
     """Throughput against D, one line per N, one panel per model (Pillow; no plotting library needed)."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw, ImageFont
 
     w, h, pad = 560, 380, 60
+    font = ImageFont.load_default(size=13)  # the bitmap default drops spaces
     colors = [(66, 133, 244), (219, 68, 55), (244, 180, 0), (15, 157, 88)]
     image = Image.new("RGB", (w * len(results), h), "white")
     draw = ImageDraw.Draw(image)
@@ -216,17 +217,19 @@ def plot(results: list[dict[str, object]], args: argparse.Namespace, out: Path) 
             return x0 + pad + (w - 2 * pad) * delay / dmax, h - pad - (h - 2 * pad) * tps / top
 
         draw.text((x0 + pad, 12), f"{result['name']}: tok/s against one-way delay D (ms), "
-                                  f"{args.requests} requests", fill="black")
+                                  f"{args.requests} requests", fill="black", font=font)
         draw.line([xy(0, 0), xy(dmax, 0)], fill="black")
         draw.line([xy(0, 0), xy(0, top)], fill="black")
         for delay in args.delays:
-            draw.text((xy(delay, 0)[0] - 8, h - pad + 6), f"{delay:g}", fill="black")
+            draw.text((xy(delay, 0)[0] - 8, h - pad + 6), f"{delay:g}", fill="black", font=font)
         for frac in (0.25, 0.5, 0.75, 1.0):
-            draw.text((x0 + 4, xy(0, top * frac / 1.1)[1] - 6), f"{top * frac / 1.1:.0f}", fill="black")
+            draw.text((x0 + 4, xy(0, top * frac / 1.1)[1] - 6), f"{top * frac / 1.1:.0f}", fill="black", font=font)
         for j, n in enumerate(args.micro_batches):
             points = [xy(d, cells[(n, d, args.requests)].tps) for d in args.delays]
             draw.line(points, fill=colors[j % len(colors)], width=3)
-            draw.text((x0 + w - pad - 40, pad + 16 * j), f"N={n}", fill=colors[j % len(colors)])
+            for px, py in points:
+                draw.ellipse([px - 4, py - 4, px + 4, py + 4], fill=colors[j % len(colors)])
+            draw.text((x0 + w - pad - 40, pad + 16 * j), f"N={n}", fill=colors[j % len(colors)], font=font)
     out.parent.mkdir(parents=True, exist_ok=True)
     image.save(out)
     print(f"plot: {out}")

@@ -29,11 +29,16 @@ sizes are interpolated linearly, beyond them extrapolated from the nearest two.
 
 from __future__ import annotations
 
+import argparse
+import json
 from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from statistics import median
 from typing import Any
+
+from afd_patches import trace
 
 
 @dataclass(frozen=True)
@@ -164,9 +169,10 @@ def measure(events: list[dict[str, Any]]) -> dict[tuple[int, int], Costs]:
     return out
 
 
-def calibrate(events_n1: list[dict[str, Any]], events_n2: list[dict[str, Any]], layers: int) -> Calibration:
+def calibrate(events_n1: list[dict[str, Any]], events_n2: list[dict[str, Any]]) -> Calibration:
     """The model's inputs from a traced N = 1 run (several batch sizes) and a traced N = 2 run (the split's own
-    costs, against N = 1 at the same micro-batch and step sizes)."""
+    costs, against N = 1 at the same micro-batch and step sizes); the exchanges per step are the layers traced."""
+    layers = len({e["args"]["layer"] for e in events_n1 if e["tid"] != "ffn"})
     unsplit = {tokens: c for (n, tokens), c in measure(events_n1).items() if n == 1}
     if len(unsplit) < 2:
         raise ValueError(f"the N = 1 calibration trace holds {len(unsplit)} batch size(s) with 5 steps; 2 needed")
@@ -178,3 +184,24 @@ def calibrate(events_n1: list[dict[str, Any]], events_n2: list[dict[str, Any]], 
             splits.append(c.overhead_s - base.at(tokens).overhead_s)
     return Calibration(layers, unsplit, max(median(handovers), 0.0) if handovers else 0.0,
                        max(median(splits), 0.0) if splits else 0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Which micro_batches suits your link: the ping-pong model fitted to "
+                                                 "two AFD traces of your own deployment (AFD_TRACE_DIR)")
+    parser.add_argument("trace_n1", type=Path, help="a trace folder of micro_batches 1, at two or more concurrencies")
+    parser.add_argument("trace_n2", type=Path, help="a trace folder of micro_batches 2 (the split's own costs)")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per decode step (concurrent requests)")
+    parser.add_argument("--delay-ms", type=float, action="append",
+                        help="one-way delay your link adds beyond the one traced (repeatable; default 0, 0.5, 1, 2)")
+    args = parser.parse_args()
+    cal = calibrate(trace.read(args.trace_n1), trace.read(args.trace_n2))
+    print(json.dumps(cal.as_json(), indent=1))
+    for delay_ms in args.delay_ms or [0.0, 0.5, 1.0, 2.0]:
+        rates = {n: throughput(cal, args.tokens, n, delay_ms / 1000) for n in (1, 2, 3, 4)}
+        print(f"D = {delay_ms:g} ms, {args.tokens} tokens per step: " + ", ".join(
+            f"N={n} {rate:.0f} tok/s" for n, rate in rates.items()) + f"; best N = {max(rates, key=rates.__getitem__)}")
+
+
+if __name__ == "__main__":
+    main()

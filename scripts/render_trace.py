@@ -15,12 +15,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 from afd_patches import trace
 
 COLORS = {"attention": (66, 133, 244), "send": (160, 160, 160), "wait": (219, 68, 55), "ffn": (15, 157, 88)}
 LANE_H, PAD, LEFT, WIDTH = 34, 8, 150, 1400
+FONT = ImageFont.load_default(size=12)  # Pillow's bitmap default drops spaces
 
 
 def pick_step(events: list[dict[str, Any]]) -> int:
@@ -46,16 +47,16 @@ def render(events: list[dict[str, Any]], step: int, out: Path, title: str) -> No
     height = 40 + len(lanes) * (LANE_H + PAD) + 40
     image = Image.new("RGB", (WIDTH, height), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((PAD, 8), f"{title}  step {step}  ({(t1 - t0) / 1000:.2f} ms)", fill="black")
+    draw.text((PAD, 8), f"{title}  step {step}  ({(t1 - t0) / 1000:.2f} ms)", fill="black", font=FONT)
     for row, (pid, tid) in enumerate(lanes):
         y = 40 + row * (LANE_H + PAD)
-        draw.text((PAD, y + LANE_H // 3), f"{pid}: {tid}", fill="black")
+        draw.text((PAD, y + LANE_H // 3), f"{pid}: {tid}", fill="black", font=FONT)
         for e in (e for e in chosen if (e["pid"], e["tid"]) == (pid, tid)):
             x0 = LEFT + (e["ts"] - t0) * scale
             x1 = max(x0 + 1, LEFT + (e["ts"] + e["dur"] - t0) * scale)
             draw.rectangle([x0, y, x1, y + LANE_H], fill=COLORS.get(e["name"], (0, 0, 0)))
             if x1 - x0 > 18 and e["name"] in ("attention", "ffn"):
-                draw.text((x0 + 3, y + 3), f"L{e['args']['layer']}", fill="white")
+                draw.text((x0 + 3, y + 3), f"L{e['args']['layer']}", fill="white", font=FONT)
     axis = height - 30
     draw.line([LEFT, axis, WIDTH - PAD, axis], fill="black")
     ms = (t1 - t0) / 1000
@@ -63,11 +64,11 @@ def render(events: list[dict[str, Any]], step: int, out: Path, title: str) -> No
     for i in range(ticks + 1):
         x = LEFT + i * (WIDTH - LEFT - PAD) / ticks
         draw.line([x, axis, x, axis + 5], fill="black")
-        draw.text((x - 10, axis + 8), f"{ms * i / ticks:.2f} ms", fill="black")
+        draw.text((x - 10, axis + 8), f"{ms * i / ticks:.2f} ms", fill="black", font=FONT)
     legend_x = WIDTH - 420
     for i, (name, color) in enumerate(COLORS.items()):
         draw.rectangle([legend_x + i * 100, 10, legend_x + i * 100 + 14, 24], fill=color)
-        draw.text((legend_x + i * 100 + 20, 11), name, fill="black")
+        draw.text((legend_x + i * 100 + 20, 11), name, fill="black", font=FONT)
     image.save(out)
 
 
