@@ -37,7 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from afd_patches.workers.role import FFN_ATTRS
-from harness.engine import ARCH, checkpoint_dtype
+from harness.engine import ARCH
+from harness.engine_args import checkpoint_dtype
 from harness.env import free_port
 from harness.tiny_model import register_configs
 

@@ -7,9 +7,9 @@ spec's result from here when one is stored under its key and stores what a plain
 
 The key (``key``) is a SHA-256 over: the checkpoint's files (bytes, not path), ``engine_kwargs(spec)`` less the
 model path, the prompts, ``max_tokens``, ``logprobs``, the runner and extra environment, vLLM's and torch's
-versions, the CPU's ISA flags (``/proc/cpuinfo``), and ``harness/engine.py`` itself (how a run is made). Not in it:
-the plugin's code; a plain run goes through the plugin's hook with AFD off, and ``test_vllm_plugin`` compares that,
-uncached, with vLLM without the plugin in every run.
+versions, the CPU's ISA flags (``/proc/cpuinfo``), and ``harness/engine.py`` and ``harness/engine_args.py``
+themselves (how a run is made). Not in it: the plugin's code; a plain run goes through the plugin's hook with AFD
+off, and ``test_vllm_plugin`` compares that, uncached, with vLLM without the plugin in every run.
 
 Reading follows the project's rule for shared places: the file is opened without following a symlink, must be a
 regular file owned by this user, and must parse as a result of the expected shape (tokens and logprobs for every
@@ -27,6 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from harness.engine_args import engine_kwargs
 from harness.env import REPO, vllm_release
 
 ENV = "HARNESS_PLAIN_CACHE"
@@ -57,15 +58,14 @@ def _isa() -> str:
 
 def key(spec: dict[str, Any]) -> str:
     """The content key of a plain ``spec`` (see the module docstring)."""
-    from harness.engine import engine_kwargs
-
     kwargs = {k: v for k, v in engine_kwargs(spec).items() if k != "model"}
     material = {
         "checkpoint": _digest_files(Path(spec["model"])), "kwargs": kwargs, "prompts": spec["prompts"],
         "max_tokens": spec["max_tokens"], "logprobs": spec["logprobs"], "runner": spec.get("runner"),
         "env": spec.get("env", {}), "multiprocessing": spec.get("multiprocessing", False), "release": vllm_release(),
         "torch": metadata.version("torch"), "isa": _isa(),
-        "driver": hashlib.sha256((REPO / "harness" / "engine.py").read_bytes()).hexdigest(),
+        "driver": hashlib.sha256(b"".join((REPO / "harness" / name).read_bytes()
+                                          for name in ("engine.py", "engine_args.py"))).hexdigest(),
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from harness.config_probe import Probe
-from harness.engine import ENGINE_TIMEOUT_S, engine_kwargs, kill, start, tail
+from harness.engine import ENGINE_TIMEOUT_S, kill, start, tail
+from harness.engine_args import engine_kwargs
 from tests.integration.test_afd_e2e import LAYERS, _afd, _assert_same_outputs, _build_model, _run_engines, _spec
 
 pytestmark = pytest.mark.vllm

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from harness.config_probe import probe
-from harness.engine import engine_kwargs, generate
+from harness.engine import generate
+from harness.engine_args import engine_kwargs
 from harness.env import vllm_env
 from tests.support.drift_injection import DRIFTS, drifted_copy
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from harness.config_probe import Probe, probe
-from harness.engine import engine_kwargs, generate
+from harness.engine import generate
+from harness.engine_args import engine_kwargs
 from harness.env import REPO, vllm_env
 
 pytestmark = pytest.mark.vllm
