@@ -16,7 +16,9 @@ Export
     the snapshots found there at scrape time; the directory is removed when
     that process exits (not after a SIGKILL). A worker (``start_writer``)
     writes its snapshot there (JSON, atomically) at most every
-    ``WRITE_INTERVAL_S`` while it changes. Snapshots are data: each is opened
+    ``WRITE_INTERVAL_S`` while it changes, and at once when its group goes
+    down or up (``set_group_up``: ``/health`` and ``vllm:afd_group_up`` read
+    it; a request that failed for the outage must not find ``/health`` 200). Snapshots are data: each is opened
     without following links, must be a regular file of this user, at most
     ``MAX_SNAPSHOT_BYTES``, and only known numeric fields are read; anything
     else is skipped. While nothing changes the writer blocks (no periodic
@@ -66,7 +68,7 @@ Metrics (labels ``role``, ``rank``)
 Limits
     Offline engines (``LLM(...)``) export nothing; their counters are in
     ``afd_stats()``. Values appear on ``/metrics`` up to ``WRITE_INTERVAL_S``
-    late. A rank whose very first snapshot fails is absent from
+    late (the group gauge: the time of one write). A rank whose very first snapshot fails is absent from
     ``/metrics`` (there is nothing to mark stale) until a write succeeds; a
     stale mark that can be neither made nor the old file removed (a file
     system gone read-only) leaves the old snapshot readable, and says so in
@@ -157,6 +159,7 @@ class AfdMetrics:
 
     def __init__(self) -> None:
         self.changed = threading.Event()  # set by every update; the writer sleeps on it while nothing changes
+        self.urgent = threading.Event()  # set when the group state changes: written without the interval's wait
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.histograms = {name: [0] * (len(h.bounds) + 1) for name, h in HISTOGRAMS.items()}  # last: +Inf
         self.sums = dict.fromkeys(HISTOGRAMS, 0.0)
@@ -195,6 +198,8 @@ GROUP_UP_DOC = "1 while this AFD rank's group is formed, 0 while it waits for on
 
 def set_group_up(up: bool) -> None:
     """Record this process's group state (``vllm:afd_group_up``) for the next snapshot."""
+    if METRICS.counts.get(GROUP_UP) != int(up):
+        METRICS.urgent.set()
     METRICS.counts[GROUP_UP] = int(up)
     METRICS.changed.set()
 
@@ -248,9 +253,10 @@ def start_writer(role: str, rank: int) -> bool:
 
 
 def _write_loop(path: str, role: str, rank: int) -> None:
-    """Write a snapshot at most every ``WRITE_INTERVAL_S`` while the counters change; block while they do not
-    (an idle engine costs this thread no wake-up). A change after ``clear()`` sets the event again, so the last
-    change is always written. After a failed write, try again after a bounded backoff, changes or not."""
+    """Write a snapshot at most every ``WRITE_INTERVAL_S`` while the counters change, at once when the group state
+    changed (``METRICS.urgent``); block while nothing changes (an idle engine costs this thread no wake-up). A
+    change after ``clear()`` sets the event again, so the last change is always written. After a failed write, try
+    again after a bounded backoff, changes or not."""
     snapshots = _SnapshotFile(path, role, rank)
     backoff = 0.0
     while True:
@@ -258,7 +264,8 @@ def _write_loop(path: str, role: str, rank: int) -> None:
             time.sleep(backoff)
         else:
             METRICS.changed.wait()
-            time.sleep(WRITE_INTERVAL_S)
+            METRICS.urgent.wait(WRITE_INTERVAL_S)
+        METRICS.urgent.clear()
         METRICS.changed.clear()
         backoff = 0.0 if snapshots.write() else min(max(2 * backoff, WRITE_INTERVAL_S), MAX_BACKOFF_S)
 

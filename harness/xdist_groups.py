@@ -21,14 +21,20 @@ from typing import Any
 
 @functools.cache
 def declared(path: Path, name: str, default: object) -> object:
-    """The literal a module's source assigns to ``name`` at module level; ``default`` if none (or unreadable)."""
+    """The literal a module's source assigns to ``name`` at module level; ``default`` if none (or unreadable).
+    ``ValueError`` naming the file and line when the value is not a literal (``5 + 4``: the session reads the
+    source, it does not run it)."""
     try:
         tree = ast.parse(path.read_text())
     except (OSError, SyntaxError, UnicodeDecodeError):
         return default
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            return ast.literal_eval(node.value)
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                raise ValueError(f"{path}:{node.lineno}: {name} must be a literal (the test session reads it from "
+                                 f"the source): {ast.unparse(node.value)}") from None
     return default
 
 

@@ -56,6 +56,6 @@ cat "$logs/stream2"
 echo "ci-time: all tests $((SECONDS - start)) s"
 # the failures of both streams again, last, where a truncated log still shows them
 echo "ci-time: stream 1 (vllm) exit $status, stream 2 (not vllm, smokes) exit $(cat "$logs/stream2.rc")"
-grep -hE "^(FAILED|ERROR) |^INTERNALERROR|node down|crashed|^nox > Session .* (failed|aborted)|^=+ .*(passed|failed|error)" \
+grep -hE "^(FAILED|ERROR) |^INTERNALERROR|node down|crashed|^nox > Session .* (failed|aborted)|^=* ?[0-9]+ (passed|failed)|^[A-Za-z]*(Error|Exception): " \
   "$logs/stream1" "$logs/stream2" || true
 [ "$status" -eq 0 ] && [ "$(cat "$logs/stream2.rc")" -eq 0 ]

@@ -37,8 +37,9 @@ apart from one attribute read per step):
 ``check_health_with_afd_group`` (wraps ``AsyncLLM.check_health``)
     After vLLM's own check, an attention engine reads its workers' group
     state from their metrics snapshots (``vllm:afd_group_up``, the value
-    ``/metrics`` shows, at most ``WRITE_INTERVAL_S`` old; no RPC, so it
-    answers at once while a step is running or held); where no current
+    ``/metrics`` shows, written as soon as a worker's group goes down or up,
+    before its failed step's requests end; no RPC, so it answers at once
+    while a step is running or held); where no current
     snapshot says (none written yet, or stale), it asks the workers. While the
     group is down, ``/health`` answers 500 with a message naming AFD, the
     ranks and the FFN's ``host:port``, so a load balancer routes away, and

@@ -50,6 +50,28 @@ def test_snapshot_written_by_a_worker_shows_on_the_front_end(tmp_path: Path, mon
         time.sleep(0.1)
 
 
+def test_a_group_state_change_is_written_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other changes wait out ``WRITE_INTERVAL_S`` (here a minute); the group going down or up does not: a request
+    that failed for the outage must not find /health (which reads the snapshots) still 200."""
+    directory = tmp_path / "m"
+    directory.mkdir(mode=0o700)
+    monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(directory))
+    monkeypatch.setattr(metrics, "METRICS", metrics.AfdMetrics())
+    monkeypatch.setattr(metrics, "WRITE_INTERVAL_S", 60.0)
+    metrics.set_group_up(True)
+    assert metrics.start_writer("attention", 0)
+    deadline = time.monotonic() + 10
+    while metrics.attention_groups_down() != []:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    metrics.METRICS.add("exchanges")  # an ordinary change: not written for a minute
+    metrics.set_group_up(False)  # ... but this is, at once, with it
+    while metrics.attention_groups_down() != [0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert 'vllm:afd_exchanges_total{rank="0",role="attention"} 1.0' in _exposition(directory)
+
+
 def test_collector_skips_foreign_or_malformed_snapshots(tmp_path: Path) -> None:
     good = {"counts": {"exchanges": 3}, "buckets": [0] * (len(metrics.LATENCY_BUCKETS) + 1), "latency_sum": 0.0,
             "role": "ffn", "rank": 0}

@@ -43,3 +43,22 @@ def test_declared_reads_a_literal_without_importing(tmp_path: Path) -> None:
     module.write_text('raise SystemExit("imported")\nENGINE_BUDGET = 7\nXDIST_GROUP = "g"\n')
     assert declared(module, "ENGINE_BUDGET", 0) == 7 and declared(module, "XDIST_GROUP", None) == "g"
     assert declared(module, "MISSING", "d") == "d" and declared(tmp_path / "nope.py", "ENGINE_BUDGET", 0) == 0
+
+
+def test_every_test_module_declares_its_group_and_budget_as_literals() -> None:
+    """The controller reads ``XDIST_GROUP`` and ``ENGINE_BUDGET`` from the sources (``declared``); an expression
+    there (``5 + 4``) once ended a whole session's summary with a traceback and exit 1, no test named."""
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        for name in ("XDIST_GROUP", "ENGINE_BUDGET"):
+            declared(path, name, None)  # raises naming the file and line
+
+
+def test_an_expression_is_refused_naming_file_and_line(tmp_path: Path) -> None:
+    module = tmp_path / "test_x.py"
+    module.write_text("import os\nENGINE_BUDGET = 5 + 4\n")
+    try:
+        declared(module, "ENGINE_BUDGET", 0)
+    except ValueError as e:
+        assert f"{module}:2: ENGINE_BUDGET must be a literal" in str(e) and "5 + 4" in str(e)
+    else:
+        raise AssertionError("an expression was read as a literal")
