@@ -27,6 +27,7 @@ benchmarks/results/afd_link_delay.json.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -131,7 +132,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
         finally:
             plain.stop()
         started = time.monotonic()
-        for n in args.micro_batches:
+        for n in [] if args.calibrate_only else args.micro_batches:
             with Deployment(n, family, model, work, env, args) as d:
                 assert d.relay is not None
                 load(d.setup.ports, model, 4, 8)  # warm-up (and compile)
@@ -147,8 +148,9 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
                             print(f"{name} N={n} D={delay:g} ms {width:3d} requests: {rate:7.0f} tok/s", flush=True)
         grid_s = time.monotonic() - started
         cal = None
-        if args.predict:
+        if args.predict or args.calibrate_only:
             cal = calibrate(family, model, work, env, args)
+            print(f"{name} calibration: {json.dumps(cal.as_json())}", flush=True)
     return {"name": name, "family": family, "cells": cells, "calibration": cal, "grid_s": grid_s}
 
 
@@ -248,6 +250,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on every server")
     parser.add_argument("--predict", action="store_true", help="calibrate the cost model and print its prediction")
+    parser.add_argument("--calibrate-only", action="store_true",
+                        help="only the calibration: print the model's inputs and its prediction of every cell")
     parser.add_argument("--plot", type=Path, help="write the throughput plot here (PNG)")
     record.add_argument(parser)
     args = parser.parse_args()
@@ -258,6 +262,16 @@ def main() -> None:
     print(f"relay: direct round trip {relay[-1] * 1e6:.0f} us; added one-way: " + ", ".join(
         f"D={1000 * d:g} ms +{(relay[d] - d) * 1e6:.0f} us" for d in sorted(relay) if d >= 0), flush=True)
     results = [run_model(name, args) for name in args.models.split(",")]
+    if args.calibrate_only:
+        for result in results:
+            cal = result["calibration"]
+            assert isinstance(cal, pingpong_model.Calibration)
+            for width in sorted({args.requests, args.wide}):
+                for delay in args.delays:
+                    print(f"{result['name']} model, {width} requests, D={delay:g} ms: " + ", ".join(
+                        f"N={n} {pingpong_model.throughput(cal, width, n, added(relay, delay)):.0f} tok/s"
+                        for n in args.micro_batches))
+        return
     figures = [record.Figure("relay_cost_d0", "delay relay: added one-way time at D = 0", relay[0.0] * 1e6, "us",
                              digits=0)]
     for result in results:

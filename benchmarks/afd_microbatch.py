@@ -105,7 +105,8 @@ class Setup:
         return server
 
     def start(self) -> None:
-        """Start the servers; an AFD group forms once all its attention servers are up, so they start together."""
+        """Start the servers, all at once (their start-ups overlap; an attention server's connector retries until the
+        FFN server listens), then wait until each answers /health."""
         if not self.afd:
             self._server("plain", PLAIN_CORES, []).wait_healthy()
             return
@@ -115,15 +116,15 @@ class Setup:
         afd = {"host": HOST, "port": free_port(), "num_attention_ranks": self.ranks, "timeout_s": 600,
                "connector_extra_config": extra}
         arch = ["--hf-overrides", json.dumps({"architectures": [ARCH[self.family]]})]
-        self._server("ffn", FFN_CORE, [*arch, "--afd-role", "ffn", "--additional-config",
-                                        json.dumps({"afd": afd})]).wait_healthy()
+        ffn = self._server("ffn", FFN_CORE, [*arch, "--afd-role", "ffn", "--additional-config",
+                                              json.dumps({"afd": afd})])
         if self.via is not None:
             afd["port"] = self.via(afd["port"])
         config = ["--additional-config", json.dumps({"afd": afd})]
         attns = [self._server(f"attn{rank}", ATTENTION_CORE,
                               [*arch, "--afd-role", "attention", "--afd-rank", str(rank), *config])
                  for rank in range(self.ranks)]
-        for server in attns:
+        for server in [ffn, *attns]:
             server.wait_healthy()
 
     @property
