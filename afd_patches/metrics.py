@@ -18,10 +18,10 @@ Export
     writes its snapshot there (JSON, atomically) at most every
     ``WRITE_INTERVAL_S`` while it changes, and at once when its group goes
     down or up (``set_group_up``: ``/health`` and ``vllm:afd_group_up`` read
-    it; a request that failed for the outage must not find ``/health`` 200). Snapshots are data: each is opened
-    without following links, must be a regular file of this user, at most
-    ``MAX_SNAPSHOT_BYTES``, and only known numeric fields are read; anything
-    else is skipped. While nothing changes the writer blocks (no periodic
+    it; a request that failed for the outage must not find ``/health`` 200).
+    Snapshots are data: each is opened without following links, must be a
+    regular file of this user, at most ``MAX_SNAPSHOT_BYTES``, and only known
+    numeric fields are read; anything else is skipped. While nothing changes the writer blocks (no periodic
     wake-up on an idle engine).
 
 Failures (best-effort, like tracing)
@@ -68,8 +68,8 @@ Metrics (labels ``role``, ``rank``)
 Limits
     Offline engines (``LLM(...)``) export nothing; their counters are in
     ``afd_stats()``. Values appear on ``/metrics`` up to ``WRITE_INTERVAL_S``
-    late (the group gauge: the time of one write). A rank whose very first snapshot fails is absent from
-    ``/metrics`` (there is nothing to mark stale) until a write succeeds; a
+    late (the group gauge: the time of one write). A rank whose very first
+    snapshot fails is absent from ``/metrics`` (there is nothing to mark stale) until a write succeeds; a
     stale mark that can be neither made nor the old file removed (a file
     system gone read-only) leaves the old snapshot readable, and says so in
     the log once. A worker that dies leaves its snapshot as it was.
