@@ -60,6 +60,17 @@ class Cell:
         return median(self.rates)
 
 
+@dataclass
+class ModelRun:
+    """One model's grid: its cells by (N, D ms, requests), the calibration (with ``--predict``), the grid's
+    seconds."""
+
+    name: str
+    cells: dict[tuple[int, float, int], Cell]
+    calibration: pingpong_model.Calibration | None
+    grid_s: float
+
+
 def added(relay: dict[float, float], delay_ms: float) -> float:
     """The model's D: what the relay adds one way at ``delay_ms`` beyond what it adds at 0 (the calibration ran
     through it at 0, so that part is in its latency already)."""
@@ -113,7 +124,7 @@ def calibrate(family: str, model: Path, work: Path, env: dict[str, str],
     return pingpong_model.calibrate(events[1], events[2])
 
 
-def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
+def run_model(name: str, args: argparse.Namespace) -> ModelRun:
     family, overrides = model_spec(name)
     widths = sorted({args.requests, args.wide})
     cells: dict[tuple[int, float, int], Cell] = {}
@@ -151,16 +162,14 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, object]:
         if args.predict or args.calibrate_only:
             cal = calibrate(family, model, work, env, args)
             print(f"{name} calibration: {json.dumps(cal.as_json())}", flush=True)
-    return {"name": name, "family": family, "cells": cells, "calibration": cal, "grid_s": grid_s}
+    return ModelRun(name, cells, cal, grid_s)
 
 
-def report(result: dict[str, object], args: argparse.Namespace, relay: dict[float, float]) -> list[record.Figure]:
-    name, cells = result["name"], result["cells"]
-    cal: pingpong_model.Calibration | None = result["calibration"]  # type: ignore[assignment]
-    assert isinstance(cells, dict)
+def report(result: ModelRun, args: argparse.Namespace, relay: dict[float, float]) -> list[record.Figure]:
+    name, cells, cal = result.name, result.cells, result.calibration
     base = cells[(1, 0.0, args.requests)].tps
     print(f"\n== {name}: decode over a delayed link, {args.requests} concurrent x {args.tokens} tokens "
-          f"(engines and grid {result['grid_s']:.0f} s); tokens equal plain vLLM's in every cell")
+          f"(engines and grid {result.grid_s:.0f} s); tokens equal plain vLLM's in every cell")
     figures = []
     errors: list[float] = []
     picks: list[float] = []  # the model's best N's throughput over the measured best's, per row
@@ -199,7 +208,7 @@ def report(result: dict[str, object], args: argparse.Namespace, relay: dict[floa
     return figures
 
 
-def plot(results: list[dict[str, object]], args: argparse.Namespace, out: Path) -> None:
+def plot(results: list[ModelRun], args: argparse.Namespace, out: Path) -> None:
     """Throughput against D, one line per N, one panel per model (Pillow; no plotting library needed)."""
     from PIL import Image, ImageDraw, ImageFont
 
@@ -209,8 +218,7 @@ def plot(results: list[dict[str, object]], args: argparse.Namespace, out: Path) 
     image = Image.new("RGB", (w * len(results), h), "white")
     draw = ImageDraw.Draw(image)
     for i, result in enumerate(results):
-        cells = result["cells"]
-        assert isinstance(cells, dict)
+        cells = result.cells
         x0 = i * w
         top = max(c.tps for (_, _, width), c in cells.items() if width == args.requests) * 1.1
         dmax = max(args.delays) or 1.0
@@ -218,7 +226,7 @@ def plot(results: list[dict[str, object]], args: argparse.Namespace, out: Path) 
         def xy(delay: float, tps: float, x0: int = x0, top: float = top, dmax: float = dmax) -> tuple[float, float]:
             return x0 + pad + (w - 2 * pad) * delay / dmax, h - pad - (h - 2 * pad) * tps / top
 
-        draw.text((x0 + pad, 12), f"{result['name']}: tok/s against one-way delay D (ms), "
+        draw.text((x0 + pad, 12), f"{result.name}: tok/s against one-way delay D (ms), "
                                   f"{args.requests} requests", fill="black", font=font)
         draw.line([xy(0, 0), xy(dmax, 0)], fill="black")
         draw.line([xy(0, 0), xy(0, top)], fill="black")
@@ -264,11 +272,11 @@ def main() -> None:
     results = [run_model(name, args) for name in args.models.split(",")]
     if args.calibrate_only:
         for result in results:
-            cal = result["calibration"]
-            assert isinstance(cal, pingpong_model.Calibration)
+            cal = result.calibration
+            assert cal is not None
             for width in sorted({args.requests, args.wide}):
                 for delay in args.delays:
-                    print(f"{result['name']} model, {width} requests, D={delay:g} ms: " + ", ".join(
+                    print(f"{result.name} model, {width} requests, D={delay:g} ms: " + ", ".join(
                         f"N={n} {pingpong_model.throughput(cal, width, n, added(relay, delay)):.0f} tok/s"
                         for n in args.micro_batches))
         return

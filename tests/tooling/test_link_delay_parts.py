@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -163,3 +165,21 @@ def test_a_trace_without_two_batch_sizes_is_refused() -> None:
 def test_the_relay_cost_is_measured_against_the_direct_round_trip() -> None:
     cost = relay_cost([0.0, 0.020], pings=20)  # medians of 20 round trips
     assert cost[-1] > 0 and cost[0.020] >= 0.015 and cost[0.020] > cost[0.0]
+
+
+def test_the_report_and_the_plot_of_a_grid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark's report over a made-up grid: figures against N = 1 at D = 0, the model's error and pick."""
+    from benchmarks import afd_link_delay as bench
+
+    args = argparse.Namespace(requests=16, tokens=64, delays=[0.0, 1.0], micro_batches=[1, 2])
+    cal = _calibration(1e-4, 1e-4, latency=1e-4)
+    rates = {(1, 0.0): 100.0, (2, 0.0): 110.0, (1, 1.0): 50.0, (2, 1.0): 80.0}
+    cells = {(n, d, 16): bench.Cell([r, r]) for (n, d), r in rates.items()}
+    run = bench.ModelRun("m", cells, cal, 1.0)
+    figures = {f.key: f for f in bench.report(run, args, {-1.0: 1e-4, 0.0: 5e-5, 0.001: 0.00105})}
+    assert figures["m_d1_best"].value == pytest.approx(0.8) and "best N 2" in figures["m_d1_best"].detail
+    assert figures["m_d0_best"].value == pytest.approx(1.1)
+    assert figures["m_model_pick"].value <= 1.0 and "m_model_error" in figures
+    assert "model" in capsys.readouterr().out
+    bench.plot([run], args, tmp_path / "grid.png")
+    assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
