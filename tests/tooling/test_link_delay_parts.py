@@ -183,3 +183,23 @@ def test_the_report_and_the_plot_of_a_grid(tmp_path: Path, capsys: pytest.Captur
     assert "model" in capsys.readouterr().out
     bench.plot([run], args, tmp_path / "grid.png")
     assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_model_runs_on_a_users_own_trace_folders(tmp_path: Path) -> None:
+    """``python -m benchmarks.pingpong_model TRACE_N1 TRACE_N2`` (docs/running.md, "Choosing micro_batches")."""
+    import json
+    import subprocess
+    import sys
+
+    from harness.env import REPO
+
+    for name, events in (("n1", _trace(8, 1, 6) + _trace(16, 1, 6, first_step=100)), ("n2", _trace(16, 2, 6))):
+        (tmp_path / name).mkdir()
+        lines = "".join(json.dumps(e) + ",\n" for e in events)
+        (tmp_path / name / "afd-trace-attention-0-1.json").write_text("[\n" + lines)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.pingpong_model", str(tmp_path / "n1"),
+                          str(tmp_path / "n2"), "--tokens", "16", "--delay-ms", "1"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert '"layers": 2' in run.stdout and "D = 1 ms, 16 tokens per step: N=1" in run.stdout
+    assert "best N = " in run.stdout
