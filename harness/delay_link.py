@@ -9,9 +9,10 @@ How: per accepted connection the relay connects to ``upstream`` and runs two thr
 what arrives (``recv``, up to 1 MiB) and queues it stamped ``arrival + delay_s``; the writer sends each chunk once
 its time has come (``Condition.wait`` with a timeout: a futex, so the wake-up is late by the kernel's timer slack,
 about 50 µs, plus a thread switch). The sender is never blocked by the delay: its bytes leave its socket at once and
-wait here, and several messages are in flight at a time, as on a long wire. Order is kept (one queue per direction,
-stamped in arrival order with a delay that only changes between runs). With ``delay_s`` 0 the reader sends itself
-whenever nothing is queued: one ``recv`` and one ``send`` per chunk, no thread hand-over.
+wait here, and several messages are in flight at a time, as on a long wire. Order is kept (one queue per
+direction, sent first in, first out: a chunk stamped earlier than the one ahead of it, after ``delay_s`` was
+lowered, waits for it). With ``delay_s`` 0 the reader sends itself whenever nothing is queued: one ``recv`` and one
+``send`` per chunk, no thread hand-over.
 
 ``delay_s`` may change while connections are open (the benchmarks step D on engines started once); a chunk keeps the
 stamp it got on arrival. ``stats()`` tells how many chunks went through and the least time one was held, so a test
@@ -201,32 +202,39 @@ def echo_server() -> Iterator[tuple[str, int]]:
         server.close()
 
 
-def _round_trip(port: int, pings: int) -> float:
+def round_trip(sock: socket.socket, payload: bytes) -> float:
+    """Seconds ``payload`` takes through ``sock`` to an echo server and back; ``ValueError`` if other bytes come
+    back."""
+    start = time.perf_counter()
+    sock.sendall(payload)
+    got = b""
+    while len(got) < len(payload):
+        if not (chunk := sock.recv(len(payload) - len(got))):
+            raise ValueError("the connection closed before the echo came back")
+        got += chunk
+    if got != payload:
+        raise ValueError("the echo came back with other bytes than were sent")
+    return time.perf_counter() - start
+
+
+def _median_round_trip(port: int, pings: int) -> float:
     """The median seconds 64 bytes take to 127.0.0.1:``port`` and back."""
     with socket.create_connection((HOST, port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        times = []
-        for _ in range(pings):
-            start = time.perf_counter()
-            sock.sendall(b"x" * 64)
-            got = 0
-            while got < 64:
-                got += len(sock.recv(64 - got))
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+        return sorted(round_trip(sock, b"x" * 64) for _ in range(pings))[pings // 2]
 
 
 def relay_cost(delays: list[float], pings: int = 300) -> dict[float, float]:
     """What a ``RelayProcess`` adds one way at each delay of ``delays`` (s): half the median round trip through it to
     an echo server, less the round trip without it. Key -1: the round trip without it."""
     with echo_server() as address:
-        direct = _round_trip(address[1], pings)
+        direct = _median_round_trip(address[1], pings)
         out = {-1.0: direct}
         relay = RelayProcess(address)
         try:
             for delay in delays:
                 relay.set_delay(delay)
-                out[delay] = (_round_trip(relay.port, pings) - direct) / 2
+                out[delay] = (_median_round_trip(relay.port, pings) - direct) / 2
         finally:
             relay.stop()
     return out

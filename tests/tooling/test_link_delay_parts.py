@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import pingpong_model as pm
-from harness.delay_link import DelayLink, RelayProcess, echo_server, relay_cost
+from harness.delay_link import DelayLink, RelayProcess, echo_server, relay_cost, round_trip
 
 
 @pytest.fixture
@@ -21,23 +21,13 @@ def echo() -> Iterator[tuple[str, int]]:
         yield address
 
 
-def _roundtrip(sock: socket.socket, payload: bytes) -> float:
-    start = time.monotonic()
-    sock.sendall(payload)
-    got = b""
-    while len(got) < len(payload):
-        got += sock.recv(65536)
-    assert got == payload
-    return time.monotonic() - start
-
-
 def test_the_relay_holds_each_byte_the_delay_each_way_and_keeps_order(echo: tuple[str, int]) -> None:
     link = DelayLink(echo, 0.200)
     try:
         with socket.create_connection(("127.0.0.1", link.port)) as sock:
-            assert _roundtrip(sock, b"a" * 100) >= 0.400  # 200 ms up, 200 ms down
+            assert round_trip(sock, b"a" * 100) >= 0.400  # 200 ms up, 200 ms down
             link.delay_s = 0.0
-            assert _roundtrip(sock, b"b" * 100) < 0.400  # (bounds far apart: CI's cores are busy)
+            assert round_trip(sock, b"b" * 100) < 0.400  # (bounds far apart: CI's cores are busy)
         chunks, least = link.stats()
         assert chunks >= 4 and least == 0.0
     finally:
@@ -68,9 +58,9 @@ def test_the_relay_process_changes_its_delay_while_connected(echo: tuple[str, in
     try:
         with socket.create_connection(("127.0.0.1", relay.port)) as sock:
             relay.set_delay(0.300)
-            assert _roundtrip(sock, b"y" * 64) >= 0.600
+            assert round_trip(sock, b"y" * 64) >= 0.600
             relay.set_delay(0.0)
-            assert _roundtrip(sock, b"x" * 64) < 0.600
+            assert round_trip(sock, b"x" * 64) < 0.600
     finally:
         relay.stop()
     assert relay.proc.returncode == 0
