@@ -47,7 +47,7 @@ from pathlib import Path
 
 from benchmarks import record
 from patchkit.review.check import run_check
-from patchkit.review.static import open_tree
+from patchkit.static import open_tree
 
 REPO = Path(__file__).resolve().parents[1]
 

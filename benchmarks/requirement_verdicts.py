@@ -9,7 +9,7 @@ Prints, for ``manifests/afd/vllm-0.32.yaml`` on the installed vLLM:
 2. how many requirements, and how many modules the judgement parsed;
 3. that the plugin hook itself never judges them: in a fresh process, after
    ``import vllm`` and ``register_afd()``, ``patchkit.review.requirements`` and
-   ``patchkit.review.static`` are not in ``sys.modules``.
+   ``patchkit.static`` are not in ``sys.modules``.
 
 Usage: ``python -m benchmarks.requirement_verdicts [--runs N]``.
 """
@@ -39,7 +39,7 @@ print(json.dumps({{"wall": wall, "cpu": cpu, "n": len(v), "ok": sum(x.verdict ==
 _HOOK = """
 import sys, vllm, afd_patches
 afd_patches.register_afd()
-print(sorted(m for m in sys.modules if m.startswith(("patchkit.review.requirements", "patchkit.review.static"))))
+print(sorted(m for m in sys.modules if m.startswith(("patchkit.review.requirements", "patchkit.static"))))
 """
 
 

@@ -1,3 +1,3 @@
-"""Review tools that read a vLLM source tree without importing it: the static tree model
-(``review.static``), ``patchkit check``, ``retarget``, ``diff``, ``docs``, ``deps`` and the
-requirement verdicts. Never imported by a vLLM process's plugin hook."""
+"""Review tools for people: ``patchkit check``, ``retarget``, ``diff``, ``docs`` and ``deps``. They read a vLLM
+source tree through ``patchkit.static`` (the static tree model the runtime's verdict uses too) and are never
+imported by a vLLM process's plugin hook."""

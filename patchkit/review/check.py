@@ -12,7 +12,7 @@ moved target. Requirements (``requires:``, entries with op ``require`` and id
 would fail does not fail the check: it is listed as refusing that feature (``[feature-off]``, and
 ``summary.features_refused`` per feature), since the plugin still runs without it. Each callable an entry hands
 patchkit (``with``, ``active_if``, ``role_of``) is compared with its target's signature
-(``patchkit.review.signatures``: the rule per op, and what is not compared); a callable that does not
+(``patchkit.static.signatures``: the rule per op, and what is not compared); a callable that does not
 fit names the manifest file and line, the parameters and both signatures.
 
 Exit codes: 0 nothing would fail; 1 an entry that is required with
@@ -47,8 +47,8 @@ from typing import Any
 from patchkit.plan import Entry, Manifest, ManifestError
 from patchkit.review import forked
 from patchkit.review.check_cache import RowCache
-from patchkit.review.signatures import Checker, Fit
-from patchkit.review.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
+from patchkit.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
+from patchkit.static.signatures import Checker, Fit
 
 FORMATS = ("text", "markdown", "json")
 _FAILING = ("drifted: signature", "drifted: body", "moved", "missing")

@@ -37,9 +37,9 @@ import msgspec
 
 from patchkit.plan import Entry
 from patchkit.review.check_rows import Row
-from patchkit.review.signatures import plugin_tree
-from patchkit.review.static import SourceTree
 from patchkit.runtime import cache
+from patchkit.static import SourceTree
+from patchkit.static.signatures import plugin_tree
 
 FORMAT = "patchkit-check-1"
 _PATCHKIT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def _digest(*parts: object) -> str:
 
 
 def _package_identity(package: str) -> str | None:
-    """The identity of a plugin package's folder, the one ``patchkit.review.signatures`` reads."""
+    """The identity of a plugin package's folder, the one ``patchkit.static.signatures`` reads."""
     tree = plugin_tree(package)
     return "absent" if tree is None else tree.identity()  # absent: its callables are not compared
 

@@ -14,7 +14,7 @@
   defines that name and the vLLM base (or one of its bases) defines it.
 
 Each symbol is resolved in the vLLM tree through re-exports and aliases
-(``patchkit.review.static.Resolver``), so ``from vllm import LLM`` and
+(``patchkit.static.Resolver``), so ``from vllm import LLM`` and
 ``from vllm.entrypoints.llm import LLM`` are one symbol. ``compare(symbols,
 manifest, resolver)`` matches them against the manifest's ``requires:``: a
 symbol is covered by a requirement on itself, on a member of it
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from patchkit.plan import Entry, Manifest
-from patchkit.review.static import Definition, Resolver
-from patchkit.review.static.tree import PACKAGE
+from patchkit.static import Definition, Resolver
+from patchkit.static.tree import PACKAGE
 
 KINDS = ("subclass", "construct", "call", "member", "inherited", "import")  # strongest use first
 _PIN = {"subclass": "full", "construct": "signature", "call": "signature"}
@@ -347,7 +347,7 @@ def run_deps(manifest_path: str, vllm_src: str, src: str | None = None, fmt: str
 
     from patchkit import manifest as manifest_mod
     from patchkit.plan import ManifestError
-    from patchkit.review.static import TreeError, open_tree
+    from patchkit.static import TreeError, open_tree
 
     try:
         loaded = manifest_mod.load(manifest_path)

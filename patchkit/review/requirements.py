@@ -6,7 +6,7 @@ patchkit only reports; the plugin decides what a drifted requirement means for i
 verdicts: those without a feature refuse the plugin, those with one refuse that feature only. A
 feature is a string the manifest declares; what it means, and when a run asks for it, is the plugin's.
 ``verdicts(manifest)`` judges each requirement against the source of the vLLM this process imports, with
-the static model of ``patchkit.review.static`` — the same resolver, fingerprints and pin
+the static model of ``patchkit.static`` — the same resolver, fingerprints and pin
 rules as ``patchkit check``, so the two never disagree — and without importing a
 single target module: a requirement on a GPU worker is judged on a CPU machine
 too, and no vLLM module runs code because it was checked.
@@ -68,7 +68,7 @@ class Verdict:
 
 def verdicts(manifest: Manifest, source: str = "installed") -> list[Verdict]:
     """Judge every requirement of ``manifest`` against ``source`` (``installed``, a folder or a wheel)."""
-    from patchkit.review.static import Resolver, TreeError, analyze, open_tree
+    from patchkit.static import Resolver, TreeError, analyze, open_tree
 
     if not manifest.requires:
         return []

@@ -87,7 +87,7 @@ from typing import Any
 from patchkit import manifest as manifest_mod
 from patchkit.plan import WORKERS_ENTRY_ID, Manifest, ManifestError, PatchkitError, normalize_commit
 from patchkit.review.check import EntryCheck, check_entries
-from patchkit.review.static import SourceTree, TreeError, open_tree
+from patchkit.static import SourceTree, TreeError, open_tree
 
 REVIEW_MARK = "# REVIEW:"
 

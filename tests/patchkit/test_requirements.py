@@ -18,7 +18,7 @@ from patchkit.review import requirements
 from patchkit.review.check import run_check
 from patchkit.review.diff import diff_manifests, render
 from patchkit.review.retarget import retarget_text
-from patchkit.review.static import open_tree
+from patchkit.static import open_tree
 from tests.support.drift_injection import DRIFTS, drifted_copy
 
 M032 = REPO / "manifests" / "afd" / "vllm-0.32.yaml"

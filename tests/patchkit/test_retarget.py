@@ -27,7 +27,7 @@ from patchkit.plan import WORKERS_ENTRY_ID
 from patchkit.review.check import run_check
 from patchkit.review.diff import diff_manifests
 from patchkit.review.retarget import normalize_commit, retarget_text, run_retarget, tree_commit
-from patchkit.review.static import open_tree
+from patchkit.static import open_tree
 
 BASE = {
     "vllm/__init__.py": "",

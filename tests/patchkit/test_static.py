@@ -1,4 +1,4 @@
-"""patchkit.review.static and ``patchkit check``: a vLLM tree read without importing it.
+"""patchkit.static and ``patchkit check``: a vLLM tree read without importing it.
 
 Most tests build two small synthetic ``vllm`` trees in ``tmp_path`` — ``base`` (what a
 manifest was written against) and ``new`` (a later release) — so every verdict, alias
@@ -22,7 +22,7 @@ from patchkit import fingerprint
 from patchkit.cli import main
 from patchkit.manifest import load as load_manifest
 from patchkit.review.check import run_check
-from patchkit.review.static import Resolver, TreeError, open_tree
+from patchkit.static import Resolver, TreeError, open_tree
 from tests.support.import_scan import imports_from_ast, imports_from_text
 
 COMMON = {

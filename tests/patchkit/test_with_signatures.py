@@ -1,6 +1,6 @@
 """``patchkit check`` compares each callable an entry hands patchkit with its target's signature.
 
-The rule (``patchkit.review.signatures.unfit``) on pairs of definitions, then ``run_check`` on a
+The rule (``patchkit.static.signatures.unfit``) on pairs of definitions, then ``run_check`` on a
 synthetic ``vllm`` tree and a synthetic plugin package ``sigplug`` (on ``sys.path`` through the
 ``sandbox`` fixture, parsed, never imported): a wrapper that fits, one that misses a parameter,
 renames a keyword or requires one more, ``*args``/``**kwargs`` wrappers; replace, scoped-rebind's
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from patchkit.review.check import run_check
-from patchkit.review.signatures import signature, unfit
+from patchkit.static.signatures import signature, unfit
 
 
 def sig(source: str, bound: str | None = None) -> inspect.Signature:

@@ -1,7 +1,7 @@
 """Two ways to list a file's import statements with their context, for comparing them in tests.
 
 ``imports_from_ast`` is the reference: it walks a full parse. ``imports_from_text`` is the way
-``patchkit.review.static.sites.ImportIndex`` reads a vLLM tree: each statement is located by
+``patchkit.static.sites.ImportIndex`` reads a vLLM tree: each statement is located by
 a regular expression, parsed alone, and placed by the indentation of the headers above it
 (``def`` → function, ``class`` → class, ``if TYPE_CHECKING`` → type-checking); imports inside
 triple-quoted strings are skipped. The tests compare both on synthetic edge cases and on
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ast
 
-from patchkit.review.static.resolve import is_type_checking
-from patchkit.review.static.sites import _parse_raw, _raw_imports
+from patchkit.static.resolve import is_type_checking
+from patchkit.static.sites import _parse_raw, _raw_imports
 
 Imports = list[tuple[ast.Import | ast.ImportFrom, str]]
 

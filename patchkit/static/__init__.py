@@ -23,10 +23,10 @@ every file.
 
 from __future__ import annotations
 
-from patchkit.review.static.analyze import TargetReport, analyze
-from patchkit.review.static.resolve import Definition, ModuleRef, Override, Resolution, Resolver, source_segment
-from patchkit.review.static.sites import AliasSite, alias_sites
-from patchkit.review.static.tree import SourceTree, TreeError, open_tree
+from patchkit.static.analyze import TargetReport, analyze
+from patchkit.static.resolve import Definition, ModuleRef, Override, Resolution, Resolver, source_segment
+from patchkit.static.sites import AliasSite, alias_sites
+from patchkit.static.tree import SourceTree, TreeError, open_tree
 
 __all__ = [
     "AliasSite", "Definition", "ModuleRef", "Override", "Resolution", "Resolver", "SourceTree",

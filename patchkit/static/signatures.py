@@ -53,9 +53,9 @@ from pathlib import Path
 from typing import Any
 
 from patchkit.plan import Entry, Patch, ScopedRebind, WorkerOverride
-from patchkit.review.static import Definition, Resolver
-from patchkit.review.static.analyze import decorator_names
-from patchkit.review.static.tree import DirTree
+from patchkit.static import Definition, Resolver
+from patchkit.static.analyze import decorator_names
+from patchkit.static.tree import DirTree
 
 P = inspect.Parameter
 _POSITIONAL = (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from patchkit import fingerprint
 from patchkit.plan import Entry, ScopedRebind
-from patchkit.review.static.resolve import Definition, Override, Resolution, Resolver
-from patchkit.review.static.sites import AliasSite, alias_sites
 from patchkit.runtime import rebind
+from patchkit.static.resolve import Definition, Override, Resolution, Resolver
+from patchkit.static.sites import AliasSite, alias_sites
 
 _REBINDING_OPS = ("replace", "wrap", "workers")
 

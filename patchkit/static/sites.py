@@ -36,7 +36,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from patchkit.review.static.resolve import Resolver
+from patchkit.static.resolve import Resolver
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from patchkit.review.static.tree import SourceTree
+from patchkit.static.tree import SourceTree
 
 DefNode = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Assign | ast.AnnAssign
 _MAX_DEPTH = 40
