@@ -23,6 +23,9 @@ or value analysis (``globals()[...] =``, ``setattr``, names built at run time,
 module ``__getattr__`` hooks are not seen); a class base that is a call or
 ``type(...)`` is not followed; nested classes see module-level names only.
 Every lookup parses at most the modules it needs, each once per tree.
+
+The values it returns (``Definition``, ``ModuleRef``, ``Resolution``, ``Override``) are defined in
+``patchkit.static.definitions`` and stay importable from here.
 """
 
 from __future__ import annotations
@@ -30,113 +33,22 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
+from patchkit.static.definitions import (
+    Binding,
+    Definition,
+    ModuleRef,
+    Override,
+    Resolution,
+    Scope,
+    dotted,
+    is_type_checking,
+)
 from patchkit.static.tree import SourceTree
 
-DefNode = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Assign | ast.AnnAssign
 _MAX_DEPTH = 40
 _CLASS_DECL = re.compile(rb"class[ \t]+(\w+)[ \t]*\(([^)]*)\)")
 _IDENT = re.compile(rb"[A-Za-z_]\w*")
-
-
-@dataclass(frozen=True)
-class Definition:
-    """A definition found in the tree: where it lives and its node."""
-
-    module: str
-    qualname: str
-    node: DefNode
-
-    @property
-    def ref(self) -> str:
-        return f"{self.module}:{self.qualname}"
-
-    @property
-    def kind(self) -> str:
-        if isinstance(self.node, ast.ClassDef):
-            return "class"
-        if isinstance(self.node, ast.FunctionDef | ast.AsyncFunctionDef):
-            return "function"
-        return "attribute"
-
-    @property
-    def first_line(self) -> int:
-        """First line of the definition, decorators included (what ``inspect.getsource`` starts at)."""
-        decorators = getattr(self.node, "decorator_list", [])
-        return min([self.node.lineno, *(d.lineno for d in decorators)])
-
-    @property
-    def last_line(self) -> int:
-        return self.node.end_lineno or self.node.lineno
-
-
-@dataclass(frozen=True)
-class ModuleRef:
-    """A name that resolves to a module of the tree (``import x as y``, ``from pkg import mod``)."""
-
-    module: str
-
-
-@dataclass(frozen=True)
-class Binding:
-    """How one name is bound in one scope."""
-
-    kind: str  # def | assign | from | import
-    node: ast.stmt
-    module: str | None = None  # absolute module for from/import
-    name: str | None = None  # the imported name for 'from'
-
-
-@dataclass
-class Scope:
-    """The bindings of one module or class body."""
-
-    main: dict[str, Binding]
-    fallback: dict[str, Binding]
-    stars: list[str]
-
-    def get(self, name: str) -> Binding | None:
-        return self.main.get(name) or self.fallback.get(name)
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """What a target names: the definition, or why there is none."""
-
-    definition: Definition | None
-    owner: Definition | ModuleRef | None = None  # the class/module that should hold the last name
-    inherited: Definition | None = None  # when the class only inherits the attribute
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class Override:
-    """A subclass in the tree that defines the target method itself."""
-
-    definition: Definition
-    file: str
-    calls_super: bool
-
-
-def is_type_checking(test: ast.expr) -> bool:
-    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING`` (the guarded block never runs)."""
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def dotted(expr: ast.expr) -> list[str] | None:
-    """``a.b.C`` → ``['a', 'b', 'C']``; ``Base[T]`` → its base; anything else → None."""
-    if isinstance(expr, ast.Subscript):
-        expr = expr.value
-    parts: list[str] = []
-    while isinstance(expr, ast.Attribute):
-        parts.append(expr.attr)
-        expr = expr.value
-    if not isinstance(expr, ast.Name):
-        return None
-    parts.append(expr.id)
-    return parts[::-1]
 
 
 def _assigned_names(target: ast.expr) -> Iterator[str]:
