@@ -1,4 +1,5 @@
-"""The benchmarks' output files: what one run of a benchmark measured, kept as data.
+"""What every benchmark shares: its argument parser (``parser``) and its output files (``write``), what one run
+of a benchmark measured, kept as data.
 
 A benchmark whose figures are published takes ``--record``; with it, the run writes
 ``benchmarks/results/<benchmark>.json``, replacing that benchmark's previous file. The file holds
@@ -43,6 +44,22 @@ class Figure:
     digits: int = 2
     detail: str = ""
     readme: int | None = None
+
+
+def parser(doc: str | None, *, recorded: bool = False, from_files: bool = False, baseline: str | None = None,
+           **counts: int) -> argparse.ArgumentParser:
+    """The argument parser a benchmark starts from: described by the first line of ``doc`` (its module docstring);
+    ``recorded``: ``--record`` (and ``--commit`` with ``from_files``, see ``add_argument``); ``baseline``: the help
+    of ``--baseline DIR`` (another checkout, measured in the same run); each of ``counts`` (``rounds=3``,
+    ``requests=16``, ``tokens=64``, ...) an integer flag of that name with that default."""
+    made = argparse.ArgumentParser(description=doc.strip().splitlines()[0] if doc else None)
+    for name, default in counts.items():
+        made.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    if baseline is not None:
+        made.add_argument("--baseline", metavar="DIR", default=None, help=baseline)
+    if recorded:
+        add_argument(made, from_files=from_files)
+    return made
 
 
 def add_argument(parser: argparse.ArgumentParser, from_files: bool = False) -> None:
