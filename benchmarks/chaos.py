@@ -204,7 +204,7 @@ def figures(family: str, phases: list[Phase], timeout_s: float, hold_s: float | 
             f"{family}_held_failed", f"{family} {RANKS[family]}A1F, {streams} streams through {restarts} (hold_s "
             f"{hold_s:g}): requests that failed", failed, "requests", 0,
             f"of {sum(sum(p.counts.values()) for p in faulted)}, every other exact; longest exact request "
-            f"{max(p.longest_s for p in faulted):.1f}s", readme=6 if family == "llama" else None))
+            f"{max(p.longest_s for p in faulted):.1f}s", readme=5 if family == "llama" else None))
     return out
 
 

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         where = "the installed vLLM tree" if args.vllm == "installed" else Path(args.vllm).name
         figures = [record.Figure("command_s", f"`patchkit check` of {shipped.name} against {where}, the whole "
                                  "command, every entry judged", cmd_wall, "s", 2, f"median of {args.repeat}, "
-                                 f"{cmd_cpu:.2f} s CPU; {len(tree.modules):,} modules in the tree", readme=5),
+                                 f"{cmd_cpu:.2f} s CPU; {len(tree.modules):,} modules in the tree"),
                    record.Figure("command_cached_s", "the same command again, entries unchanged since the last "
                                  "check read from the cache", warm_wall, "s", 2,
                                  f"median of {args.repeat}, {warm_cpu:.2f} s CPU")]

@@ -6,7 +6,7 @@ A benchmark whose figures are published takes ``--record``; with it, the run wri
 the command line, the date, the commit measured (``+dirty`` when the work tree had uncommitted
 changes), the host (cores, CPU model, Python, vLLM) and a list of figures. Each figure is
 ``{"key", "what", "value", "unit", "digits"}`` with an optional ``"detail"`` (one line: the spread,
-the runs) and an optional ``"readme"`` (its row in README's figures table, 1-6: only the figures a
+the runs) and an optional ``"readme"`` (its row in README's figures table, 1-5: only the figures a
 user decides on have one).
 
 ``python -m benchmarks.render`` turns these files into README's figures table and the "Current
@@ -35,7 +35,7 @@ _UNSET = {("detail", ""), ("readme", None)}  # optional fields left out of the f
 
 @dataclass
 class Figure:
-    """One measured figure; ``digits``: decimals shown; ``readme``: its README row (1-6), if any."""
+    """One measured figure; ``digits``: decimals shown; ``readme``: its README row (1-5), if any."""
 
     key: str
     what: str
