@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from statistics import median
 
+from benchmarks import record
 from benchmarks.afd_server_load import HOST, Server, load, rotated_rounds
 from harness.env import REPO, free_port, vllm_env
 from harness.tiny_model import build
@@ -143,11 +144,8 @@ def report(name: str, args: argparse.Namespace, setups: list[Setup], tps: dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, rounds=3, requests=16, tokens=64)
     parser.add_argument("--models", default="tiny,heavy")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--no-restart", dest="restart", action="store_false",
                         help="skip the second start of the compiled servers")
     args = parser.parse_args()

@@ -37,6 +37,7 @@ from statistics import median
 
 import psutil
 
+from benchmarks import record
 from benchmarks.afd_server_load import SETTLE_S, Server, load, rotated_rounds
 from harness.env import REPO, free_port, vllm_env
 from harness.tiny_model import build
@@ -171,12 +172,10 @@ def report(args: argparse.Namespace, results: dict[int, tuple[dict[str, list[flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, tokens=64, rounds=3)
     parser.add_argument("--family", choices=sorted(ARCH), default="llama")
     parser.add_argument("--requests", type=lambda v: [int(x) for x in v.split(",")], default=[16, 32],
                         help="comma-separated concurrent-request counts, one load each")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--plain-dp", action="store_true", help="also plain vLLM with --data-parallel-size 2")
     args = parser.parse_args()
     if args.plain_dp and args.family != "llama":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks import record
 from benchmarks.afd_server_load import Deployment, Server, bring_up, load
 from harness.env import REPO, vllm_env
 from harness.tiny_model import build
@@ -94,16 +95,14 @@ def thread_names(pid: int, py_spy: str | None) -> dict[int, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, rounds=2,
+                           baseline="another afd-plugin checkout: one more 1A1F pair (first schedule) runs it")
     parser.add_argument("--schedules", default="batched,pingpong")
     parser.add_argument("--plain", type=int, default=2)
     parser.add_argument("--idle-s", type=float, default=30.0)
     parser.add_argument("--settle-s", type=float, default=5.0)
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--py-spy", default=None, help="path of a py-spy binary, to name threads")
-    parser.add_argument("--baseline", type=Path, default=None,
-                        help="a checkout of another afd-plugin version: one more 1A1F pair (first schedule) runs it")
     args = parser.parse_args()
     env = vllm_env(PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)  # this checkout
@@ -119,7 +118,7 @@ def main() -> None:
             deps = [Deployment(s, s, 1, model, work, env, ns) for s in schedules]
             if args.baseline:
                 base_env = {**env, "PYTHONPATH": os.pathsep.join(
-                    p for p in (str(args.baseline.resolve()), env.get("PYTHONPATH", "")) if p)}
+                    p for p in (str(Path(args.baseline).resolve()), env.get("PYTHONPATH", "")) if p)}
                 deps.append(Deployment(f"base-{schedules[0]}", schedules[0], 1, model, work, base_env, ns))
             servers += [d.ffn for d in deps]
             bring_up(servers, deps)

@@ -246,22 +246,18 @@ def plot(results: list[ModelRun], args: argparse.Namespace, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, recorded=True, requests=16, tokens=64, rounds=2)
     parser.add_argument("--models", default="balanced,heavy-moe")
     parser.add_argument("--micro-batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3, 4])
     parser.add_argument("--delays", type=lambda v: [float(x) for x in v.split(",")], default=[0.0, 0.5, 1.0, 2.0],
                         help="one-way delays, ms (0 must be among them)")
-    parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--wide", type=int, default=64, help="also this many requests at --wide-delay")
     parser.add_argument("--wide-delay", type=float, default=1.0)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on every server")
     parser.add_argument("--predict", action="store_true", help="calibrate the cost model and print its prediction")
     parser.add_argument("--calibrate-only", action="store_true",
                         help="only the calibration: print the model's inputs and its prediction of every cell")
     parser.add_argument("--plot", type=Path, help="write the throughput plot here (PNG)")
-    record.add_argument(parser)
     args = parser.parse_args()
     if 0.0 not in args.delays or 1 not in args.micro_batches:
         parser.error("--delays must include 0 and --micro-batches 1 (every ratio is against N = 1 at D = 0)")

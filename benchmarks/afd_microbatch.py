@@ -49,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
+from benchmarks import record
 from benchmarks.afd_server_load import HOST, SETTLE_S, Server, load, rotated_rounds
 from harness.env import REPO, free_port, vllm_env
 from harness.tiny_model import build
@@ -245,11 +246,8 @@ def report(name: str, args: argparse.Namespace, setups: list[Setup], tps: dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, rounds=3, requests=16, tokens=64)
     parser.add_argument("--models", default="tiny,heavy,heavy-moe")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16, help="vLLM's, on every server")
     parser.add_argument("--min-tokens", type=int, default=8,
                         help="micro_batch_min_tokens of the AFD setups (the default, 32, would leave a 16-request "

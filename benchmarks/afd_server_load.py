@@ -269,14 +269,10 @@ def bring_up(servers: list[Server], deployments: list[Deployment]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, recorded=True, rounds=3, requests=16, tokens=64,
+                           baseline="another afd-plugin checkout: one more deployment (first schedule) runs it")
     parser.add_argument("--attention-ranks", type=int, default=1)
     parser.add_argument("--schedules", default="batched", help="comma-separated: one deployment each")
-    parser.add_argument("--baseline", type=Path, default=None,
-                        help="a checkout of another afd-plugin version: one more deployment (first schedule) runs it")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--idle-s", type=float, default=30.0)
     parser.add_argument("--bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for every server")
     parser.add_argument("--ffn-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for the FFN servers only")
@@ -285,7 +281,6 @@ def main() -> None:
     parser.add_argument("--plain-best", default="nobind",
                         help="VLLM_CPU_OMP_THREADS_BIND of a second plain server (plain tuned on the same cores); "
                              "'' for none")
-    record.add_argument(parser)
     args = parser.parse_args()
     env = vllm_env(PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)  # this checkout
@@ -308,7 +303,7 @@ def main() -> None:
                 servers.append(plains[-1])
             variants: list[tuple[str, Path | None]] = [(s, None) for s in schedules]
             if args.baseline:
-                variants.append((schedules[0], args.baseline.resolve()))
+                variants.append((schedules[0], Path(args.baseline).resolve()))
             for schedule, tree in variants:
                 label = f"{'base-' if tree else ''}{schedule}"
                 timings = work / f"timings-{label}"

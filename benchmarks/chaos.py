@@ -204,7 +204,7 @@ def figures(family: str, phases: list[Phase], timeout_s: float, hold_s: float | 
             f"{family}_held_failed", f"{family} {RANKS[family]}A1F, {streams} streams through {restarts} (hold_s "
             f"{hold_s:g}): requests that failed", failed, "requests", 0,
             f"of {sum(sum(p.counts.values()) for p in faulted)}, every other exact; longest exact request "
-            f"{max(p.longest_s for p in faulted):.1f}s", readme=6 if family == "llama" else None))
+            f"{max(p.longest_s for p in faulted):.1f}s", readme=5 if family == "llama" else None))
     return out
 
 
@@ -229,7 +229,7 @@ def _raise_exit(signum: int, frame: FrameType | None) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, recorded=True)
     parser.add_argument("--families", default="llama,qwen3_moe")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of: {', '.join(FAULTS)}")
     parser.add_argument("--timeout-s", type=float, default=2.0)
@@ -239,7 +239,6 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--hang-s", type=float, default=60.0, help="no chunk for this long: the request hung")
     parser.add_argument("--logs", type=Path, default=None, help="copy the servers' logs here")
-    record.add_argument(parser)
     args = parser.parse_args()
     args.faults = [f for f in args.faults.split(",") if f]
     for sig in (signal.SIGTERM, signal.SIGHUP):

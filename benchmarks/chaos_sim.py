@@ -144,14 +144,10 @@ def run(name: str, a: int, f: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, recorded=True, tokens=4, hidden=4096, layers=2)
     parser.add_argument("--run-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=2.0)
-    parser.add_argument("--tokens", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--pause-s", type=float, default=0.05)
-    record.add_argument(parser)
     args = parser.parse_args()
     import torch  # once, before forking
 

@@ -33,7 +33,6 @@ Usage: ``python -m benchmarks.check_speed [--vllm SRC] [--manifest FILE] [--repe
 
 from __future__ import annotations
 
-import argparse
 import ast
 import gc
 import os
@@ -139,11 +138,10 @@ def naive_parse_all(src: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, recorded=True)
     parser.add_argument("--vllm", default="installed", help="tree to check: installed, a folder or a wheel")
     parser.add_argument("--manifest", type=Path, default=REPO / "manifests" / "afd" / "vllm-0.32.yaml")
     parser.add_argument("--repeat", type=int, default=5)
-    record.add_argument(parser)
     args = parser.parse_args(argv)
 
     tree = open_tree(args.vllm)
@@ -177,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         where = "the installed vLLM tree" if args.vllm == "installed" else Path(args.vllm).name
         figures = [record.Figure("command_s", f"`patchkit check` of {shipped.name} against {where}, the whole "
                                  "command, every entry judged", cmd_wall, "s", 2, f"median of {args.repeat}, "
-                                 f"{cmd_cpu:.2f} s CPU; {len(tree.modules):,} modules in the tree", readme=5),
+                                 f"{cmd_cpu:.2f} s CPU; {len(tree.modules):,} modules in the tree"),
                    record.Figure("command_cached_s", "the same command again, entries unchanged since the last "
                                  "check read from the cache", warm_wall, "s", 2,
                                  f"median of {args.repeat}, {warm_cpu:.2f} s CPU")]

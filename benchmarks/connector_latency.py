@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Any
 
+from benchmarks import record
 from harness.env import free_port
 
 
@@ -154,15 +155,11 @@ def compare_backends(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=2000)
-    parser.add_argument("--warmup", type=int, default=200)
-    parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=64)
+    parser = record.parser(__doc__, iters=2000, warmup=200, tokens=8, hidden=64,
+                           baseline="a checkout whose afd_patches to compare against")
     parser.add_argument(
         "--inline-bytes", type=int, default=64 * 1024, help="payloads up to this size ride in the header message"
     )
-    parser.add_argument("--baseline", metavar="DIR", help="a checkout whose afd_patches to compare against")
     parser.add_argument("--backends", default=None,
                         help="gloo,tcp: both backends of this checkout, interleaved per round (no --baseline)")
     parser.add_argument("--rounds", type=int, default=3, help="baseline/current pairs with --baseline")

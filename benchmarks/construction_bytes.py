@@ -11,10 +11,10 @@ says how bytes are counted). No weights are loaded, no engine is started.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
+from benchmarks import record
 from harness.construction_bytes import measure
 from harness.engine import ARCH
 from harness.tiny_model import build
@@ -25,7 +25,7 @@ def _kib(n: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__)
     parser.add_argument("--family", action="append", choices=sorted(ARCH))
     args = parser.parse_args()
     print("| architecture | FFN share of params | non-FFN / FFN params (KiB) | plain builds (KiB) | "

@@ -12,7 +12,6 @@ failed, errored or was skipped makes its family not count; a run without the tes
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -43,9 +42,8 @@ def families(junits: list[Path]) -> dict[str, tuple[set[str], set[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, recorded=True, from_files=True)
     parser.add_argument("junit", type=Path, nargs="+")
-    record.add_argument(parser, from_files=True)
     args = parser.parse_args(argv)
     found = families(args.junit)
     if not found["test_afd_1a1f_matches_plain_vllm"][0]:

@@ -17,7 +17,6 @@ down). With ``--record`` the medians go to benchmarks/results/.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -48,10 +47,8 @@ def complete(port: int, model: Path) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = record.parser(__doc__, recorded=True, rounds=3)
     parser.add_argument("--timeout-s", type=float, default=5.0)
-    record.add_argument(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="afd-recovery-"))
     model = build_tokenizer(build(work / "tiny-llama", "llama"), vocab_size=512)

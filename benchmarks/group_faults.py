@@ -25,7 +25,6 @@ Nothing leaves the machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -274,10 +273,8 @@ def main() -> None:
         return
     from benchmarks import record
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", metavar="DIR", help="another checkout to measure in the same run")
+    parser = record.parser(__doc__, recorded=True, baseline="another checkout to measure in the same run")
     parser.add_argument("--outage-s", type=float, default=2.0)
-    record.add_argument(parser)
     args = parser.parse_args()
     trees = [("before", args.baseline), ("after", None)] if args.baseline else [("current", None)]
     figures = []

@@ -14,7 +14,6 @@ Nothing leaves the machine.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -22,6 +21,7 @@ import sys
 import threading
 import time
 
+from benchmarks import record
 from harness.env import free_port
 
 TOKEN = "17927d585f38cb601edd180a641ca41b12e3076ad696109ff2bd56a3e6b52a90"  # secrets.token_hex(32)
@@ -75,10 +75,7 @@ def run_tree(src: str | None, reps: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--baseline", metavar="DIR")
+    parser = record.parser(__doc__, reps=100, rounds=3, baseline="a checkout whose afd_patches to compare against")
     args = parser.parse_args()
     trees = [("baseline", args.baseline), ("current", None)] if args.baseline else [("current", None)]
     medians: dict[str, list[float]] = {name: [] for name, _ in trees}

@@ -15,7 +15,6 @@ Goal: <= 10 ms after ``import vllm`` (issue 29; it was 3 ms, with <= 6 ms in the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -86,9 +85,7 @@ def sample(hook: str, pre: str, cache_dir: str, collect: bool = False, count: bo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=15)
-    record.add_argument(parser)
+    parser = record.parser(__doc__, recorded=True, runs=15)
     args = parser.parse_args()
     # What a wheel install does: byte-compile the package (this sandbox sets PYTHONDONTWRITEBYTECODE).
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "patchkit"), str(REPO / "afd_patches")],

@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Any
 
+from benchmarks import record
 from benchmarks.connector_latency import _use
 from benchmarks.handshake_time import TOKEN
 from harness.crowd import CROWD, flood
@@ -192,12 +193,10 @@ def _load() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = record.parser(__doc__, rounds=3, baseline="a checkout whose afd_patches to compare against")
     parser.add_argument("--reps", type=int, default=10, help="groups formed per round and tree, nobody else there")
     parser.add_argument("--warm-s", type=float, default=2.0, help="the crowd runs this long before the rank starts")
     parser.add_argument("--join-timeout-s", type=float, default=20.0, help="the attention rank's timeout_s")
-    parser.add_argument("--baseline", metavar="DIR", help="a checkout whose afd_patches to compare against")
     args = parser.parse_args()
     trees = [("baseline", args.baseline), ("current", None)] if args.baseline else [("current", None)]
     formation: dict[str, list[float]] = {name: [] for name, _ in trees}

@@ -29,7 +29,6 @@ sizes are interpolated linearly, beyond them extrapolated from the nearest two.
 
 from __future__ import annotations
 
-import argparse
 import json
 from bisect import bisect_left
 from collections import defaultdict
@@ -39,6 +38,7 @@ from statistics import median
 from typing import Any
 
 from afd_patches import trace
+from benchmarks import record
 
 
 @dataclass(frozen=True)
@@ -187,8 +187,8 @@ def calibrate(events_n1: list[dict[str, Any]], events_n2: list[dict[str, Any]]) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Which micro_batches suits your link: the ping-pong model fitted to "
-                                                 "two AFD traces of your own deployment (AFD_TRACE_DIR)")
+    parser = record.parser("Which micro_batches suits your link: the ping-pong model fitted to "
+                           "two AFD traces of your own deployment (AFD_TRACE_DIR)")
     parser.add_argument("trace_n1", type=Path, help="a trace folder of micro_batches 1, at two or more concurrencies")
     parser.add_argument("trace_n2", type=Path, help="a trace folder of micro_batches 2 (the split's own costs)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per decode step (concurrent requests)")

@@ -1,11 +1,12 @@
-"""The benchmarks' output files: what one run of a benchmark measured, kept as data.
+"""What every benchmark shares: its argument parser (``parser``) and its output files (``write``), what one run
+of a benchmark measured, kept as data.
 
 A benchmark whose figures are published takes ``--record``; with it, the run writes
 ``benchmarks/results/<benchmark>.json``, replacing that benchmark's previous file. The file holds
 the command line, the date, the commit measured (``+dirty`` when the work tree had uncommitted
 changes), the host (cores, CPU model, Python, vLLM) and a list of figures. Each figure is
 ``{"key", "what", "value", "unit", "digits"}`` with an optional ``"detail"`` (one line: the spread,
-the runs) and an optional ``"readme"`` (its row in README's figures table, 1-6: only the figures a
+the runs) and an optional ``"readme"`` (its row in README's figures table, 1-5: only the figures a
 user decides on have one).
 
 ``python -m benchmarks.render`` turns these files into README's figures table and the "Current
@@ -34,7 +35,7 @@ _UNSET = {("detail", ""), ("readme", None)}  # optional fields left out of the f
 
 @dataclass
 class Figure:
-    """One measured figure; ``digits``: decimals shown; ``readme``: its README row (1-6), if any."""
+    """One measured figure; ``digits``: decimals shown; ``readme``: its README row (1-5), if any."""
 
     key: str
     what: str
@@ -43,6 +44,22 @@ class Figure:
     digits: int = 2
     detail: str = ""
     readme: int | None = None
+
+
+def parser(doc: str | None, *, recorded: bool = False, from_files: bool = False, baseline: str | None = None,
+           **counts: int) -> argparse.ArgumentParser:
+    """The argument parser a benchmark starts from: described by the first line of ``doc`` (its module docstring);
+    ``recorded``: ``--record`` (and ``--commit`` with ``from_files``, see ``add_argument``); ``baseline``: the help
+    of ``--baseline DIR`` (another checkout, measured in the same run); each of ``counts`` (``rounds=3``,
+    ``requests=16``, ``tokens=64``, ...) an integer flag of that name with that default."""
+    made = argparse.ArgumentParser(description=doc.strip().splitlines()[0] if doc else None)
+    for name, default in counts.items():
+        made.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    if baseline is not None:
+        made.add_argument("--baseline", metavar="DIR", default=None, help=baseline)
+    if recorded:
+        add_argument(made, from_files=from_files)
+    return made
 
 
 def add_argument(parser: argparse.ArgumentParser, from_files: bool = False) -> None:

@@ -11,7 +11,6 @@ at the end of the real-vLLM session.
 
 from __future__ import annotations
 
-import argparse
 import re
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -34,12 +33,11 @@ def per_module(junits: list[Path]) -> tuple[Counter[str], Counter[str], Counter[
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = record.parser(__doc__, recorded=True, from_files=True)
     parser.add_argument("after", type=Path, nargs="+")
     parser.add_argument("--before", type=Path, nargs="+")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--log", type=Path, help="that run's output: its ci-time lines and vLLM starts are read too")
-    record.add_argument(parser, from_files=True)
     args = parser.parse_args(argv)
     seconds, tests, failed = per_module(args.after)
     before = per_module(args.before)[0] if args.before else None

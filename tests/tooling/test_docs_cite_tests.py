@@ -2,8 +2,7 @@
 
 README.md, SECURITY.md and docs/*.md back their claims with ``tests/<path>.py`` and
 ``tests/<path>.py::test_name`` references; each file must exist and each named test must be defined in it
-(as a function; a parametrized test is named without its ids). docs/benchmarks.md is left out: below its
-"Current figures" it is a dated log of past runs, naming tests as they were then.
+(as a function; a parametrized test is named without its ids).
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ CITED = re.compile(r"tests/[A-Za-z0-9_/]+\.py(?:::[A-Za-z0-9_]+)?")
 
 
 def _docs() -> list[Path]:
-    return [REPO / "README.md", REPO / "SECURITY.md",
-            *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "benchmarks.md")]
+    return [REPO / "README.md", REPO / "SECURITY.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def _tests_in(path: Path) -> set[str]:

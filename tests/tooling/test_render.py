@@ -75,3 +75,17 @@ def test_more_rows_than_readme_takes_are_refused(tmp_path: Path, monkeypatch: py
     record.write("extra", figures, argv=[])
     assert render.main([], root=root) == 2
     assert f"figures name a README row, at most {render.README_ROWS}" in capsys.readouterr().err
+
+
+def test_the_shared_parser_gives_each_benchmark_the_same_flags() -> None:
+    """record.parser: the description from the docstring's first line, ``--record`` (``--commit`` for a benchmark that
+    reads another run's files), ``--baseline DIR`` and integer flags with the benchmark's own defaults."""
+    parser = record.parser("What it measures.\n\nHow.", recorded=True, from_files=True, baseline="another checkout",
+                           rounds=3, max_tokens=16)
+    assert parser.description == "What it measures."
+    args = parser.parse_args([])
+    assert (args.rounds, args.max_tokens, args.baseline, args.record, args.commit) == (3, 16, None, False, None)
+    args = parser.parse_args(["--rounds", "5", "--max-tokens", "2", "--baseline", "/x", "--record", "--commit", "c"])
+    assert (args.rounds, args.max_tokens, args.baseline, args.record, args.commit) == (5, 2, "/x", True, "c")
+    bare = record.parser(None).parse_args([])
+    assert not hasattr(bare, "record") and not hasattr(bare, "baseline")
