@@ -9,7 +9,8 @@ submodules and may change:
   (vLLM calls plugin hooks without a try): it logs once and returns a
   ``Status`` that says why nothing was applied.
 - ``status(plugin)`` — that ``Status`` again, later (e.g. when a run asks for the
-  plugin's feature and must fail if the plan is not active).
+  plugin's feature and must fail if the plan is not active); ``Status.refusal(feature)`` gives the
+  verdict's words for a refused feature, the same in every process.
 - ``applied(plugin=None)`` — the per-entry records of this process.
 - ``note(plugin, key, value)`` — a fact the plugin learnt about this process after start (e.g.
   ``model_runner``), written into its per-process report (``facts``).
@@ -37,6 +38,7 @@ if typing.TYPE_CHECKING:
 
     from patchkit.plan import Compiled, Runtime
     from patchkit.runtime.engine import Run
+    from patchkit.verdict import Verdict
 
 __version__ = "0.1.0"  # the distribution's version (pyproject.toml); part of the plan cache key
 
@@ -77,22 +79,19 @@ class Status:
     def vllm_version(self) -> str | None:
         return self.run.runtime.vllm_version if self.run is not None else None
 
-    # -- requirement verdicts (issue 15): a read-only view, delegated; nothing here runs in the hook --
+    # -- the verdict (patchkit.verdict): decided once per manifest and tree, the same in every process --
     @property
-    def requirements(self) -> list[Any]:
-        """Verdicts of the selected manifest's ``requires:`` against the running vLLM's source
-        (``patchkit.review.requirements.Verdict``; judged on first access, then kept). Empty without a plan."""
-        from patchkit.review import requirements
+    def verdict(self) -> Verdict | None:
+        """The verdict on the selected manifest against the vLLM tree this process imports (computed by the
+        first process after a change of either, stored with the plan); None without a plan or a tree."""
+        return self.run.compiled.verdict if self.run is not None else None
 
-        return requirements.of_status(self)
-
-    def refusals(self, feature: str | None = None) -> list[Any]:
-        """The failing requirement verdicts that refuse ``feature`` (a name the manifest's ``requires[].feature``
-        declares), or, for ``None``, the plugin itself (requirements without a feature). Empty: nothing refuses
-        it. The plugin asks this where a run asks for the feature; patchkit attaches no meaning to the name."""
-        from patchkit.review import requirements
-
-        return requirements.refusing(self.requirements, feature)
+    def refusal(self, feature: str | None = None) -> str | None:
+        """The words that refuse ``feature`` (a name the manifest's ``features:`` declares), or, for ``None``, the
+        plugin itself; None when the verdict does not refuse it. The plugin asks this where a run asks for the
+        feature; every process gets the same words (which members fail, why, and how to run without it)."""
+        verdict = self.verdict
+        return verdict.refusal(feature) if verdict is not None else None
 
     def __repr__(self) -> str:
         return f"Status({self.plugin!r}, active={self.active}, problem={self.problem!r})"

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import FrozenInstanceError, dataclass, field, fields
 from typing import Any, ClassVar
 
+from patchkit.verdict import Verdict
+
 WORKERS_ENTRY_ID = "workers"
 MISSING = object()  # the one sentinel: "no such attribute / nothing was there"
 
@@ -59,6 +61,15 @@ class PatchError(PatchkitError):
         self.entry_id = entry_id
         self.reason = reason
         super().__init__(f"patch entry {entry_id!r} failed: {reason}")
+
+
+class PlanRefused(PatchError):
+    """The verdict on the manifest refuses the plugin (``patchkit.verdict.Verdict.refusal``): nothing was
+    applied; the message is the verdict's words, the same in every process."""
+
+    def __init__(self, words: str) -> None:
+        self.entry_id, self.reason = "verdict", words
+        PatchkitError.__init__(self, words)
 
 
 class UnsupportedRelease(PatchkitError):
@@ -122,6 +133,7 @@ class Entry(_Record):
     on_drift: str = "fail"
     why: str = ""
     reviewed: str | None = None  # a maintainer's review note (the manifest's ``reviewed``); nothing runs on it
+    feature: str | None = None  # the plugin feature this entry belongs to (None: the plugin itself)
 
     @property
     def module(self) -> str:
@@ -205,13 +217,11 @@ class WorkerOverride(Change):
 @dataclass(slots=True, kw_only=True, eq=False, repr=False)
 class Requirement(Entry):
     """A vLLM symbol the plugin relies on without changing it: never applied; ``pin`` says how much of
-    its fingerprint counts, ``indirect`` that the plugin's code does not name it, ``feature`` the one
-    feature of the plugin that needs it (None: the plugin as a whole; patchkit knows the name as a string only)."""
+    its fingerprint counts, ``indirect`` that the plugin's code does not name it."""
 
     kind: ClassVar[str] = "require"
     pin: str = "full"
     indirect: bool = False
-    feature: str | None = None
     required: ClassVar[bool] = True  # judged like a required change by the review tools
 
     @property
@@ -227,6 +237,7 @@ class ModelRegistration(_Record):
     class_ref: str
     source: str = ""
     when: dict[str, Any] = field(default_factory=dict)
+    feature: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -266,6 +277,8 @@ class Manifest(_Record):
     digest: str  # over the content of every file of ``chain``
     chain: tuple[tuple[str, str], ...]  # (file, sha256 of its content): the extends chain, root base first
     requires: tuple[Requirement, ...] = ()  # in file order
+    features: dict[str, str] = field(default_factory=dict)  # declared feature -> how to run without it
+    required_features: tuple[str, ...] = ()  # features whose refusal fails ``patchkit check``
 
     @property
     def is_base(self) -> bool:
@@ -277,19 +290,23 @@ class Manifest(_Record):
         return {"file": self.file, "plugin": self.plugin, "packages": list(self.packages),
                 "vllm_version": self.vllm_version, "vllm_commit": self.vllm_commit, "fallback": self.fallback,
                 "entries": [e.to_json() for e in self.entries], "models": [m.to_json() for m in self.models],
-                "digest": self.digest, "chain": [list(c) for c in self.chain]}
+                "digest": self.digest, "chain": [list(c) for c in self.chain], "features": dict(self.features),
+                "required_features": list(self.required_features)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
         return cls(**{**data, "packages": tuple(data["packages"]),
                       "entries": tuple(map(change_from_json, data["entries"])),
                       "models": tuple(ModelRegistration(**m) for m in data["models"]),
-                      "chain": tuple((str(f), str(h)) for f, h in data["chain"])})
+                      "chain": tuple((str(f), str(h)) for f, h in data["chain"]),
+                      "required_features": tuple(data["required_features"])})
 
 
 @dataclass(slots=True, eq=False, repr=False)
 class Compiled(_Record):
-    """What the hook needs: the selected manifest (or why there is none) and the plan order."""
+    """What the hook needs: the selected manifest (or why there is none), the plan order, and the verdict on
+    the manifest against the vLLM tree the process imports (``patchkit.verdict``; None where no tree was
+    judged: a runtime without one, as in patchkit's own tests)."""
 
     manifest: Manifest | None
     order: list[str]  # entry ids
@@ -297,18 +314,22 @@ class Compiled(_Record):
     supported: str  # the releases the plugin's pinned manifests name, for messages
     error: str | None  # why no manifest was selected
     digest: str
+    verdict: Verdict | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "manifest": self.manifest.to_json() if self.manifest else None,
             "order": self.order, "static": self.static, "supported": self.supported,
             "error": self.error, "digest": self.digest,
+            "verdict": self.verdict.to_json() if self.verdict else None,
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Compiled:
         manifest = Manifest.from_json(data["manifest"]) if data["manifest"] else None
-        return cls(manifest, data["order"], data["static"], data["supported"], data["error"], data["digest"])
+        verdict = Verdict.from_json(data["verdict"]) if data["verdict"] else None
+        return cls(manifest, data["order"], data["static"], data["supported"], data["error"], data["digest"],
+                   verdict)
 
 
 class Runtime:
@@ -317,18 +338,20 @@ class Runtime:
     The platform is probed lazily: only a plan with a platform guard asks for it.
     """
 
-    __slots__ = ("_platform", "platform_probe", "python", "vllm_commit", "vllm_version")
+    __slots__ = ("_platform", "platform_probe", "python", "tree", "vllm_commit", "vllm_version")
 
     def __init__(self, vllm_version: str | None, vllm_commit: str | None, python: str | None = None,
-                 platform_probe: Callable[[], str | None] | None = None, _platform: str | None = None) -> None:
+                 platform_probe: Callable[[], str | None] | None = None, _platform: str | None = None,
+                 tree: str | None = None) -> None:
         self.vllm_version = vllm_version
         self.vllm_commit = vllm_commit
         self.python = python or _platform_module.python_version()
         self.platform_probe = platform_probe
         self._platform = _platform
+        self.tree = tree  # the vLLM source the verdict judges ("installed", a folder); None: no verdict
 
     def __repr__(self) -> str:
-        return f"Runtime(vllm={self.vllm_version}, commit={self.vllm_commit}, python={self.python})"
+        return f"Runtime(vllm={self.vllm_version}, commit={self.vllm_commit}, python={self.python}, tree={self.tree})"
 
     @property
     def platform(self) -> str | None:
@@ -352,7 +375,8 @@ class Runtime:
             commit = None
         version = getattr(vllm, "__version__", None)
         commit = normalize_commit(commit) if isinstance(commit, str) else None
-        return cls(version if isinstance(version, str) else None, commit, platform_probe=_vllm_platform)
+        return cls(version if isinstance(version, str) else None, commit, platform_probe=_vllm_platform,
+                   tree="installed")
 
 
 def normalize_commit(value: str) -> str | None:

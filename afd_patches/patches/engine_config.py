@@ -4,16 +4,21 @@ and ``role_of``, which the manifest's worker overrides ask at that call.
 Imported in every vLLM process the plugin runs in: ``afd_patches.config`` (a frozen
 dataclass, JSON Schema) is loaded only when an engine asks for AFD.
 
-Features. A manifest requirement may be scoped to one AFD feature (``requires[].feature``); on a
-release where it is missing or drifted, that feature is refused by name when a run asks for it, and
-AFD without it still runs. The names, and when a run asks for each (``features_asked`` and, for the
-model family, ``family_of``), are decided here:
+Features. Each member of the afd manifest may belong to one AFD feature (``feature:``, declared with its
+"without it" words under ``features:``); where a member of it fails on the installed vLLM, patchkit's
+verdict refuses that feature in every process and leaves its members out, and AFD without it still runs.
+When a run asks for each feature (``features_asked`` and, for the model family, ``family_of``) is decided
+here:
 
-- ``micro-batches``: an attention engine with ``connector_extra_config.micro_batches`` > 1;
+- ``afd``: every run that asks for AFD (AFD itself: everything but the entries that read and refuse its
+  configuration, which belong to no feature);
+- ``micro-batches``: an attention engine with ``connector_extra_config.micro_batches`` > 1 (and
+  ``micro-batches-v2`` as well, asked by the attention worker that built Model Runner V2:
+  ``afd_patches.patches.micro_batches.refuse_unless_split``);
 - ``data-parallel``: ``--data-parallel-size`` > 1;
 - ``tp-groups``: ``--tensor-parallel-size`` > 1;
-- ``family:<name>``: a model of that AFD family, ``<name>`` being the module of ``afd_patches.models``
-  that holds its class (``family:llama``, ``family:deepseek_v2``), read from the manifest's ``models``.
+- ``family:<name>``: a model of that AFD family (``family:llama``, ``family:deepseek_v2``), the feature of
+  its registration in the manifest's ``models``.
 """
 
 from __future__ import annotations
@@ -28,17 +33,13 @@ class AfdUnavailable(RuntimeError):
     """AFD (or one AFD feature a run asked for) is not available with the running vLLM and plan."""
 
 
-# How a run that was refused a feature can run AFD without it (for the message).
-_WITHOUT = {
-    "micro-batches": 'set additional_config["afd"]["connector_extra_config"]["micro_batches"] to 1',
-    "data-parallel": "run one attention engine per server (no --data-parallel-size)",
-    "tp-groups": "run with --tensor-parallel-size 1",
-}
+CORE_FEATURE = "afd"  # the manifest's feature of AFD itself (all but the entries that read and refuse a config)
 
 
 def require_active_plan() -> None:
-    """Raise AfdUnavailable unless a pinned afd manifest is active in this process and every
-    requirement of it that fails on drift holds for the running vLLM (checked here, once)."""
+    """Raise AfdUnavailable unless a pinned afd manifest is active in this process (its verdict did not refuse
+    the plugin: then ``status.problem`` holds the verdict's words) and its verdict does not refuse AFD itself
+    (``CORE_FEATURE``)."""
     import patchkit  # public API only, and only runs that ask for AFD get here
 
     status = patchkit.status("afd")
@@ -50,13 +51,7 @@ def require_active_plan() -> None:
         raise AfdUnavailable(
             f"vLLM {status.vllm_version} is not supported by afd-plugin; supported: {status.supported}"
         )
-    drifted = status.refusals()
-    if drifted:
-        raise AfdUnavailable(
-            f"vLLM {status.vllm_version} no longer has what afd-plugin relies on ("
-            + "; ".join(v.describe() for v in drifted)
-            + "); AFD is refused, a run without AFD is unaffected. See docs/manifests.md, 'requires'."
-        )
+    require_features([CORE_FEATURE])
 
 
 def features_asked(engine_args: Any, cfg: Any) -> list[str]:
@@ -73,33 +68,30 @@ def features_asked(engine_args: Any, cfg: Any) -> list[str]:
 
 
 def family_of(vllm_config: Any) -> str | None:
-    """``family:<module>`` of the AFD model the config names (its first architecture that the active afd
-    manifest registers), or None when it names none (vLLM then refuses an unknown architecture itself)."""
+    """The feature (``family:<name>``) of the AFD model the config names: that of its first architecture that
+    the active afd manifest registers (its ``models[].feature``), or None when it names none (vLLM then
+    refuses an unknown architecture itself)."""
     import patchkit
 
     status = patchkit.status("afd")
-    registered = {m.arch: m.class_ref for m in status.run.manifest.models} if status and status.run else {}
+    registered = {m.arch: m.feature for m in status.run.manifest.models} if status and status.run else {}
     for arch in getattr(getattr(vllm_config, "model_config", None), "architectures", None) or ():
         if arch in registered:
-            return "family:" + registered[arch].partition(":")[0].rpartition(".")[2]
+            return registered[arch]
     return None
 
 
 def require_features(features: list[str]) -> None:
-    """Raise AfdUnavailable naming the first of ``features`` that a failing requirement of the active plan
-    refuses, with each such requirement (symbol, verdict, pins) and how to run AFD without the feature.
-    Call after ``require_active_plan``."""
+    """Raise AfdUnavailable naming the first of ``features`` the verdict on the active manifest refuses, in the
+    verdict's words (which members fail, why, and the manifest's way to run AFD without it). Call after
+    ``require_active_plan``."""
     import patchkit
 
     status = patchkit.status("afd")
     for feature in features:
-        refused = status.refusals(feature) if status is not None else []
-        if refused:
-            instead = _WITHOUT.get(feature, "use a model family this release supports")
-            raise AfdUnavailable(
-                f"AFD feature {feature!r} is refused on vLLM {status.vllm_version}: it relies on what this release "
-                "lacks (" + "; ".join(v.describe() for v in refused) + f"). AFD without it still runs: {instead}. "
-                "See docs/manifests.md, 'requires'.")
+        words = status.refusal(feature) if status is not None else None
+        if words:
+            raise AfdUnavailable(f"AFD: {words}. See docs/manifests.md, 'Features'.")
 
 
 def refuse_cpu_expert_parallel(engine_args: Any, on_cpu: bool) -> None:

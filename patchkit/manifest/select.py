@@ -27,6 +27,7 @@ from patchkit.plan import (
     WorkerOverride,
     override_key,
 )
+from patchkit.verdict import Member, Verdict
 
 
 def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
@@ -54,7 +55,23 @@ def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
             static.update({override_key(e.id, i): static_verdict(o.get("when", {}), runtime)
                            for i, o in enumerate(e.overrides)})
     digest = hashlib.sha256(f"{chosen.digest}|{[e.id for e in ordered]}".encode()).hexdigest()[:16]
-    return Compiled(chosen, [e.id for e in ordered], static, supported(manifests), None, digest)
+    verdict = judged(chosen, runtime.tree) if runtime.tree else None
+    return Compiled(chosen, [e.id for e in ordered], static, supported(manifests), None, digest, verdict)
+
+
+def judged(manifest: Manifest, tree_spec: str) -> Verdict:
+    """``patchkit.judge.judge`` of ``manifest`` against the tree ``tree_spec`` names. A tree that cannot be read
+    gives a verdict that refuses the plugin, naming why (never one that holds unjudged)."""
+    from patchkit.judge import judge
+    from patchkit.static import TreeError, open_tree
+
+    try:
+        return judge(manifest, open_tree(tree_spec))
+    except (TreeError, RecursionError, OSError) as exc:
+        why = "a source file nests too deeply" if isinstance(exc, RecursionError) else str(exc)
+        unread = Member("vllm-tree", "tree", tree_spec, "unreadable", True, None,
+                        f"the vLLM tree cannot be read: {why}")
+        return Verdict(manifest.file, f"vLLM tree {tree_spec!r}", (unread,), manifest.features)
 
 
 def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:

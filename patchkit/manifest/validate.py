@@ -147,6 +147,7 @@ def _semantic_problems(doc: dict[str, Any], lines: Resolved) -> list[Problem]:
         for j, o in enumerate(workers["overrides"]):
             check_ref(("workers", "overrides", j, "class"), o["class"])
     _requirement_problems(doc, add)
+    _feature_problems(doc, add)
     archs: set[str] = set()
     for k, m in enumerate(doc.get("models", [])):
         check_ref(("models", k, "class"), m["class"])
@@ -187,6 +188,23 @@ def _requirement_problems(doc: dict[str, Any], add: Any) -> None:
         seen.setdefault(r["target"], i)
         if r["pin"] != "exists" and "fingerprint" not in r:
             add(("requires", i), f"pin {r['pin']!r} needs a 'fingerprint' (patchkit deps --tree SRC prints it)")
+
+
+def _feature_problems(doc: dict[str, Any], add: Any) -> None:
+    """Every ``feature`` a member names is declared in the top-level ``features`` (through ``extends``)."""
+    declared = set(doc.get("features", {}))
+    members: list[tuple[FieldPath, dict[str, Any]]] = [
+        *((("patches", i), p) for i, p in enumerate(doc.get("patches", []))),
+        *((("requires", i), r) for i, r in enumerate(doc.get("requires", []))),
+        *((("models", k), m) for k, m in enumerate(doc.get("models", []))),
+    ]
+    if doc.get("workers"):
+        members.append((("workers",), doc["workers"]))
+    for path, item in members:
+        name = item.get("feature")
+        if name is not None and name not in declared:
+            add((*path, "feature"), f"undeclared feature {name!r} (declare it under 'features:' with its "
+                                    f"'without' words; declared: {', '.join(sorted(declared)) or 'none'})")
 
 
 def _find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
@@ -284,6 +302,7 @@ def _change(p: dict[str, Any], defaults: dict[str, Any], source: str) -> Change:
         "on_drift": p.get("on_drift", defaults.get("on_drift", "fail")),
         "required": p.get("required", defaults.get("required", True)),
         "why": p["why"], "upstream": p.get("upstream"), "retire_when": p.get("retire_when", {}),
+        "feature": p.get("feature"),
     }
     if p["op"] == "scoped-rebind":
         return ScopedRebind(**common, namespace=p.get("module", p["target"].partition(":")[0]),
@@ -302,12 +321,13 @@ def _build(doc: dict[str, Any], lines: Resolved, file: str) -> Manifest:
             fingerprint=workers.get("fingerprint"), reviewed=workers.get("reviewed"),
             after=tuple(workers.get("after", [])),
             rebind="none", on_drift=workers.get("on_drift", defaults.get("on_drift", "fail")),
+            feature=workers.get("feature"),
             why="select role-specific worker classes when worker_cls is 'auto'",
             role_of=workers["role_of"], overrides=tuple(workers["overrides"]),
         ))
     models = tuple(
         ModelRegistration(arch=m["arch"], class_ref=m["class"], source=_source(lines, ("models", k)),
-                          when=m.get("when", {}))
+                          when=m.get("when", {}), feature=m.get("feature"))
         for k, m in enumerate(doc.get("models", []))
     )
     requires = tuple(
@@ -327,6 +347,8 @@ def _build(doc: dict[str, Any], lines: Resolved, file: str) -> Manifest:
         fallback=doc.get("fallback", False), entries=tuple(entries), models=models,
         digest=hashlib.sha256("|".join(sha for _, sha in lines.chain).encode()).hexdigest(),
         chain=lines.chain, requires=requires,
+        features={name: f["without"] for name, f in doc.get("features", {}).items()},
+        required_features=tuple(name for name, f in doc.get("features", {}).items() if f.get("required")),
     )
 
 

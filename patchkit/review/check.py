@@ -8,18 +8,18 @@ and whether ``rebind`` covers it, the subclasses that override a method target,
 whether ``retire_when`` holds for the tree's version, and — given ``base_src``,
 the tree the manifest was written against — a unified diff of each drifted or
 moved target. Requirements (``requires:``, entries with op ``require`` and id
-``require:<target>``) get the same verdicts, judged by their ``pin``; one scoped to a ``feature`` that
-would fail does not fail the check: it is listed as refusing that feature (``[feature-off]``, and
+``require:<target>``) get the same verdicts, judged by their ``pin``. A failing member of a ``feature``
+does not fail the check: it is listed as refusing that feature (``[feature-off]``, and
 ``summary.features_refused`` per feature), since the plugin still runs without it. Each callable an entry hands
 patchkit (``with``, ``active_if``, ``role_of``) is compared with its target's signature
 (``patchkit.static.signatures``: the rule per op, and what is not compared); a callable that does not
 fit names the manifest file and line, the parameters and both signatures.
 
-Exit codes: 0 nothing would fail; 1 an entry that is required with
-``on_drift: fail`` is drifted, moved or missing (an ``op: set`` entry whose
-owner exists may create a missing attribute and does not fail), or an entry's callable does not fit
-its target (whatever ``required`` and ``on_drift`` say, as a wrapper that is installed breaks every
-call; unless ``on_drift: skip`` leaves a drifted target unpatched); 2 bad input —
+Exit codes, from the verdict (``patchkit.judge``, the one the runtime applies): 0 the plugin holds, with
+any features refused that are not ``required``; 1 a member without a feature fails (a required entry with
+``on_drift: fail`` drifted, moved or missing — an ``op: set`` whose owner exists may create a missing
+attribute —, or a callable that does not fit its target, whatever ``required`` says, unless ``on_drift: skip``
+leaves a drifted target unpatched), or a feature the manifest marks ``required`` is refused; 2 bad input —
 missing path, not a vLLM tree, corrupt wheel, invalid manifest, unknown format.
 For exit 2 the output is the error text (for an invalid manifest, the
 ``file:line: field: message`` lines); no input produces a traceback.
@@ -44,14 +44,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from patchkit.judge import FAILING as _FAILING
+from patchkit.judge import assess, describe
 from patchkit.plan import Entry, Manifest, ManifestError
 from patchkit.review import forked
 from patchkit.review.check_cache import RowCache
 from patchkit.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
 from patchkit.static.signatures import Checker, Fit
+from patchkit.verdict import Member, Verdict
 
 FORMATS = ("text", "markdown", "json")
-_FAILING = ("drifted: signature", "drifted: body", "moved", "missing")
 
 
 @dataclass
@@ -75,7 +77,7 @@ class EntryCheck:
             "pin": self.entry.pin if self.entry.op == "require" else None,
             "required": self.entry.required, "on_drift": self.entry.on_drift, "source": self.entry.source,
             "verdict": r.verdict, "fails": self.fails,
-            "feature": getattr(self.entry, "feature", None), "refuses_feature": self.refuses,
+            "feature": self.entry.feature, "refuses_feature": self.refuses,
             "fingerprint": {"pinned": r.pinned, "found": r.found},
             "definition": None if r.definition is None else {
                 "ref": r.definition.ref, "kind": r.definition.kind, "file": self.file, "line": self.line},
@@ -131,15 +133,10 @@ def check_entries(manifest: Manifest, tree: SourceTree, base: SourceTree | None 
     results = []
     for entry in (*manifest.entries, *manifest.requires) if entries is None else entries:
         report = analyze(resolver, entry, manifest.packages)
-        creates = entry.op == "set" and report.verdict == "missing" and report.owner_exists
-        if creates:
-            report.notes.append("op 'set' creates the attribute: not a failure")
-        fails = entry.required and entry.on_drift == "fail" and report.verdict in _FAILING and not creates
-        refuses = getattr(entry, "feature", None) if fails else None
-        fails = fails and refuses is None
         fits = signatures.check(entry, report.definition)
-        installed = not (entry.on_drift == "skip" and report.verdict != "ok")
-        fails = fails or (installed and any(f.fits is False for f in fits))
+        fails, _ = assess(entry, report, fits)  # the verdict's rule (patchkit.judge)
+        refuses = entry.feature if fails else None
+        fails = fails and refuses is None
         retire = None
         retire_when = getattr(entry, "retire_when", {})  # changes have it, requirements do not
         if "vllm" in retire_when:
@@ -241,6 +238,15 @@ def _check_all(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vl
     return [rows[i] for i in range(len(entries))], len(set(parsed)), len(entries) - len(todo), problems
 
 
+def verdict_of_rows(manifest: Manifest, rows: list[dict[str, Any]], tree: SourceTree) -> Verdict:
+    """The ``patchkit.verdict.Verdict`` of check's rows (each judged by ``patchkit.judge.assess``): the one
+    check's exit code and "features refused" come from, equal to what ``patchkit.judge.judge`` gives the
+    runtime for the same tree (``verdict_digest`` in the JSON summary, the runtime's report has it too)."""
+    members = tuple(Member(r["id"], r["op"], r["target"], r["verdict"], bool(r["fails"] or r["refuses_feature"]),
+                           r["feature"]) for r in rows)
+    return Verdict(manifest.file, describe(tree), members, manifest.features)
+
+
 def _header(manifest: Manifest, tree: SourceTree, base: SourceTree | None) -> dict[str, Any]:
     return {
         "manifest": manifest.file,
@@ -283,18 +289,16 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
     finally:
         if collecting:
             gc.enable()
-    code = 1 if any(row["fails"] for row in rows) else 0
+    verdict = verdict_of_rows(loaded, rows, tree)
+    code = 0 if verdict.holds and not set(verdict.refused) & set(loaded.required_features) else 1
     doc = _header(loaded, tree, base)
     doc["entries"] = rows
     doc["problems"] = problems
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
-    refused: dict[str, list[str]] = {}
-    for row in rows:
-        if row["refuses_feature"]:
-            refused.setdefault(row["refuses_feature"], []).append(row["id"])
-    doc["summary"] = {"entries": len(rows), "requirements": len(loaded.requires), "features_refused": refused,
+    doc["summary"] = {"entries": len(rows), "requirements": len(loaded.requires),
+                      "features_refused": verdict.refused, "verdict_digest": verdict.digest,
                       "verdicts": counts, "failing": [row["id"] for row in rows if row["fails"]],
                       "misfits": [row["id"] for row in rows if any(f["fits"] is False for f in row["signatures"])],
                       "uncovered_sites": sum(row["uncovered_sites"] for row in rows),

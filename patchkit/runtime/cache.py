@@ -23,11 +23,14 @@ concurrent processes at worst compute the same thing twice.
 What. Data only, checked again when read; nothing read from here is executed.
 - a plan (``plan-<key>.json``) is keyed by the SHA-256 of every manifest's and
   the schema's content, patchkit's plan format and version, the plugin's
-  version, the vLLM version and commit, and Python. On read it must have the
-  plan's exact shape, name one of the manifest files read for the key with that
-  file's content hash, and every callable it names must lie inside the
+  version, the vLLM version and commit, the tree judged, and Python (its full
+  version: fingerprints of the AST may change with the minor). On read it must have
+  the plan's exact shape, name one of the manifest files read for the key with that
+  file's content hash, every callable it names must lie inside the
   packages the plugin declared when it called ``activate`` (not a list read
-  from the cache file itself);
+  from the cache file itself), and every file its verdict read must still have
+  the size and modification time it had (``patchkit.verdict.Verdict.stale``: an
+  edited or reinstalled vLLM is judged again);
   anything else is a miss and the plan is compiled again.
 - fingerprints (``fingerprints.json``) are keyed by the SHA-256 of the source
   file's content plus the definition's first line and qualified name, so an
@@ -222,7 +225,7 @@ def write_private(name: str, data: bytes) -> None:
 
 # -- what the cache holds --------------------------------------------------------------------------
 
-FORMAT = "patchkit-plan-8"
+FORMAT = "patchkit-plan-9"
 _FINGERPRINTS = "fingerprints.json"
 _HEX = frozenset("0123456789abcdef")
 
@@ -257,7 +260,7 @@ def compiled(directory: str, runtime: Runtime, plugin_version: str,
     h = hashlib.sha256(f"{FORMAT}|{__version__}|{plugin_version}|{','.join(sorted(packages))}".encode())
     for p in [*files, schema_path("manifest.schema.json")]:
         h.update(f"{p}|{digests.get(p) or _sha256_file(p)}\n".encode())
-    h.update(f"{runtime.vllm_version}|{runtime.vllm_commit}|{_python_tag()}".encode())
+    h.update(f"{runtime.vllm_version}|{runtime.vllm_commit}|{runtime.tree}|{_python_tag()}".encode())
     name = f"plan-{h.hexdigest()[:32]}.json"
     cached = _plan_from_json(_load_json(name), digests, packages)
     if cached is not None:
@@ -296,6 +299,10 @@ def _plan_from_json(data: Any, digests: dict[str, str], packages: tuple[str, ...
     on_disk = {os.path.normpath(f): sha for f, sha in digests.items()}
     if not manifest.chain or any(on_disk.get(os.path.normpath(f)) != sha for f, sha in manifest.chain):
         return None  # a file of the extends chain changed (or is not in the folder): compile again
+    changed = plan.verdict.stale() if plan.verdict is not None else None
+    if changed:
+        logger.info("patchkit: the vLLM tree changed since its verdict (%s): judging it again", changed)
+        return None
     return None if outside(plan, packages) else plan
 
 

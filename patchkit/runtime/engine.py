@@ -42,7 +42,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from patchkit.plan import MISSING, Change, Compiled, Manifest, PatchError, Runtime, runtime_verdict
+from patchkit.plan import MISSING, Change, Compiled, Manifest, PatchError, PlanRefused, Runtime, runtime_verdict
 from patchkit.runtime.cache import Fingerprints
 from patchkit.runtime.hooks import ImportCallback, cancel, when_imported
 
@@ -52,6 +52,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("patchkit")
 
 MODEL_REGISTRY_MODULE = "vllm.model_executor.models.registry"  # where model registrations wait
+
+
+def _vllm_log(plugin: str) -> logging.Logger:
+    """The plugin's logger under vLLM's (``vllm.<plugin>``): vLLM configures ``vllm`` with a handler, so what
+    users must read (a refusal) reaches vLLM's own log, where the ``patchkit`` logger is not printed."""
+    return logging.getLogger(f"vllm.{plugin}")
 
 
 class Outcome:
@@ -109,20 +115,34 @@ class Run:
         self._fingerprints = Fingerprints()
         self._on_change = on_change
         self.facts: dict[str, str] = {}  # what the plugin learnt about this process (``note``), for its report
+        verdict = compiled.verdict
+        self._judged = {m.id: m for m in verdict.members} if verdict is not None else {}
 
     # -- scheduling -------------------------------------------------------------------------
     def start(self) -> None:
-        """Decide guards, apply what can be applied now, hook the rest. Raises PatchError."""
+        """Apply the verdict, decide guards, apply what can be applied now, hook the rest. Raises PatchError
+        (``PlanRefused`` when the verdict refuses the plugin: then nothing is hooked or patched)."""
         disabled = {s.strip() for s in os.environ.get("PATCHKIT_DISABLE", "").split(",") if s.strip()}
+        verdict = self.compiled.verdict
+        if verdict is not None and not verdict.holds:
+            self._refuse(verdict.refusal() or "")
+        if verdict is not None and verdict.refused:
+            _vllm_log(self.plugin).warning(
+                "%s: features refused on %s (the rest runs; `patchkit check` names why): %s", self.plugin,
+                verdict.tree, ", ".join(sorted(verdict.refused)))
         with self._lock:
             self._starting = True
             self.status = "active"
             modules: list[str] = []
             for entry_id, record in self.records.items():
                 entry = self.entries.get(entry_id)
-                when = entry.when if entry else self._model(entry_id).when
+                member = entry if entry is not None else self._model(entry_id)
+                when = member.when
                 reason = self.compiled.static.get(entry_id) or runtime_verdict(when, self.runtime)
-                if entry_id in disabled or (entry_id.startswith("model:") and "models" in disabled):
+                if verdict is not None and verdict.off(member.feature):
+                    record.outcome = "feature-off"
+                    record.reason = f"feature {member.feature} is refused: {', '.join(verdict.refused[member.feature])}"
+                elif entry_id in disabled or (entry_id.startswith("model:") and "models" in disabled):
                     record.outcome, record.reason = "disabled", "PATCHKIT_DISABLE"
                     logger.warning("patchkit: %s entry %s disabled by PATCHKIT_DISABLE", self.plugin, entry_id)
                 elif reason:
@@ -185,7 +205,7 @@ class Run:
         try:
             marker = (self.plugin, entry.id)
             targets.install(entry, record, self.plugin, self.runtime, self.compiled.static, self._fingerprints,
-                            _LIVE.get(marker))
+                            _LIVE.get(marker), self._judged.get(entry.id))
             _LIVE[marker] = record.installed
             self._stack.append(record)  # from here on a rollback restores the slot and every rebound alias
             record.outcome = "applied"
@@ -195,6 +215,11 @@ class Run:
             record.outcome, record.reason = skip.outcome, skip.reason
         except Exception as exc:  # noqa: BLE001 - EntryFailed, or anything unexpected: named, rolled back
             reason = str(exc) if isinstance(exc, targets.EntryFailed) else f"unexpected error: {exc!r}"
+            judged = self._judged.get(entry.id)
+            if judged is not None and not judged.fails:
+                reason = (f"{reason} [contradicts the verdict, which found {entry.target} {judged.verdict} in "
+                          f"{self.compiled.verdict.tree}: the tree changed after it was judged, or the static "
+                          "model cannot see this (docs/manifests.md, 'The verdict')]")
             if entry.required:
                 self._fail(PatchError(entry.id, reason))
                 record.outcome, record.reason = "failed", reason
@@ -238,6 +263,16 @@ class Run:
             self._changed()
 
     # -- failure, revert ----------------------------------------------------------------------
+    def _refuse(self, words: str) -> None:
+        """The verdict refuses the plugin: nothing is hooked; every member says so; raise ``PlanRefused``."""
+        for record in self.records.values():
+            record.outcome, record.reason = "refused", "the verdict refuses the plugin"
+        self.status = "failed"
+        self.error = PlanRefused(words)
+        _vllm_log(self.plugin).error("%s: %s; nothing of it is applied in this process", self.plugin, words)
+        self._changed()
+        raise self.error
+
     def _fail(self, error: PatchError) -> None:
         self._undo_all("rolled-back")
         self.status = "failed"
@@ -305,6 +340,7 @@ class Run:
         return {
             "plugin": self.plugin, "manifest": os.path.basename(self.manifest.file),
             "digest": self.compiled.digest, "status": self.status,
+            "verdict": self.compiled.verdict.summary() if self.compiled.verdict is not None else None,
             "error": str(self.error) if self.error else None,
             "vllm": {"version": self.runtime.vllm_version, "commit": self.runtime.vllm_commit},
             "facts": dict(self.facts),

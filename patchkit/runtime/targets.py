@@ -126,11 +126,14 @@ class Skip(Exception):
 
 
 def install(entry: Change, record: Any, plugin: str, runtime: Runtime, static: dict[str, str | None],
-            fingerprints: Fingerprints, previous: Any) -> None:
+            fingerprints: Fingerprints, previous: Any, judged: Any = None) -> None:
     """Swap ``entry``'s object into its target; fill ``record``'s fingerprint, slot, original and installed.
 
     ``previous`` is what this process installed for the entry before (or None): a
-    target holding it, or a function marked with this entry, is already applied."""
+    target holding it, or a function marked with this entry, is already applied. ``judged``: the entry's row
+    of the plan's verdict (``patchkit.verdict.Member``), whose static fingerprint verdict is then the one
+    applied (no live fingerprint: a property or an assignment reads the same as in ``patchkit check``);
+    None (no verdict) fingerprints the live object."""
     marker = (plugin, entry.id)
     try:
         slot = Slot.resolve(entry.target)
@@ -142,7 +145,11 @@ def install(entry: Change, record: Any, plugin: str, runtime: Runtime, static: d
     if getattr(func, "__patchkit__", None) == marker or (previous is not None and previous is original):
         raise Skip("already-applied", "")
     _probe(entry, slot, func)
-    if entry.fingerprint and original is not MISSING:
+    if judged is not None and entry.fingerprint:
+        record.fingerprint = "match" if judged.verdict == "ok" else judged.verdict
+        if judged.verdict != "ok":
+            _drift(entry, f"{entry.target} {judged.verdict} (the verdict: {judged.reason or judged.verdict})")
+    elif entry.fingerprint and original is not MISSING:
         actual = fingerprints.of(func)
         verdict = "match" if actual == entry.fingerprint else _compare(entry.fingerprint, actual)
         record.fingerprint = verdict

@@ -92,8 +92,10 @@ def analyze_requirement(resolver: Resolver, entry: Entry) -> TargetReport:
     return report
 
 
-def analyze(resolver: Resolver, entry: Entry, packages: tuple[str, ...]) -> TargetReport:
-    """The ``TargetReport`` of ``entry`` in the resolver's tree (parses only what it needs)."""
+def analyze(resolver: Resolver, entry: Entry, packages: tuple[str, ...], details: bool = True) -> TargetReport:
+    """The ``TargetReport`` of ``entry`` in the resolver's tree (parses only what it needs). ``details=False``
+    leaves out what informs a reviewer but no verdict (alias sites, overriding subclasses): the runtime's
+    verdict (``patchkit.judge``) needs only the verdict."""
     if entry.op == "require":
         return analyze_requirement(resolver, entry)
     resolution = resolver.resolve_target(entry.target)
@@ -125,6 +127,8 @@ def analyze(resolver: Resolver, entry: Entry, packages: tuple[str, ...]) -> Targ
             report.verdict = "missing"
             report.notes.append(f"{entry.namespace} no longer names {', '.join(absent)} (scoped-rebind)")
     parts = entry.qualname.split(".")
+    if not details:
+        return report
     if len(parts) == 1:
         prefixes = rebind.scope(entry.module, entry.rebind, packages)
         defining = (definition.module, definition.qualname) if "." not in definition.qualname else None

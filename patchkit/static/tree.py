@@ -72,6 +72,7 @@ class SourceTree:
         self.problems: list[str] = []
         self._version: str | bool | None = False  # False: not read yet
         self._identity: str | bool | None = False  # False: not computed yet
+        self._absent: set[str] = set()  # modules of the package looked up and not found (``inputs``)
 
     # -- what subclasses provide -------------------------------------------------
     def _read(self, relpath: str) -> bytes:  # pragma: no cover - abstract
@@ -107,7 +108,17 @@ class SourceTree:
         return self._files
 
     def has_module(self, module: str) -> bool:
-        return module in self._files
+        found = module in self._files
+        if not found and (module == PACKAGE or module.startswith(PACKAGE + ".")):
+            self._absent.add(module)
+        return found
+
+    def inputs(self) -> tuple[tuple[str, int, int], ...] | None:
+        """What the analysis so far read, for a stored verdict to re-stat (``patchkit.verdict``): each parsed
+        module's file with its size and modification time, and each looked-up absent module's two possible
+        files with size -1 (must stay absent). None for a tree that is not a folder (a wheel does not change
+        under a path that stays the same, and a process never imports one)."""
+        return None
 
     def is_package(self, module: str) -> bool:
         return module in self._packages
@@ -247,6 +258,17 @@ class DirTree(SourceTree):
         except OSError:
             return None
         return iter(stamps)
+
+    def inputs(self) -> tuple[tuple[str, int, int], ...] | None:
+        out = []
+        for module in self._asts:
+            path = os.path.join(self._root_str, self._files[module])
+            st = os.stat(path)
+            out.append((path, st.st_size, st.st_mtime_ns))
+        for module in sorted(self._absent):
+            base = os.path.join(self._root_str, *module.split("."))
+            out += [(base + ".py", -1, 0), (os.path.join(base, "__init__.py"), -1, 0)]
+        return tuple(out)
 
     def _metadata_version(self) -> str | None:
         # an installed package: <site-packages>/vllm[_cpu]-X.dist-info/METADATA next to the package

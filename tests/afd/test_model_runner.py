@@ -4,13 +4,25 @@ classes (imported, never constructed) and patchkit records as ``patchkit.applied
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CpuRunnerV2
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner as CpuRunnerV1
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GpuRunnerV2
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as GpuRunnerV1
 
-from afd_patches.patches.micro_batches import refuse_unless_split, runner_kind, runner_name
+from afd_patches.patches import micro_batches
+from afd_patches.patches.micro_batches import runner_kind, runner_name, splitting_entries
+from patchkit import manifest
+
+ENTRIES = manifest.load(Path(__file__).resolve().parents[2] / "manifests" / "afd" / "vllm-0.32.yaml").entries
+
+
+def refuse_unless_split(runner: object, n: int, records: list[dict[str, str]],
+                        refusal: object = lambda _feature: None) -> None:
+    """``micro_batches.refuse_unless_split`` over the 0.32 manifest's entries."""
+    micro_batches.refuse_unless_split(runner, n, records, ENTRIES, refusal)  # type: ignore[arg-type]
 
 
 def _instance(cls: type) -> object:
@@ -46,6 +58,20 @@ def test_vllm_034_standalone_cpu_runner_is_mrv2() -> None:
     assert runner_kind(_instance(standalone)) == "v2"
     with pytest.raises(ValueError, match="standalone CPU runner does not run the MRV2 code"):
         refuse_unless_split(_instance(standalone), 2, V2_APPLIED)
+
+
+def test_the_splitting_entries_are_read_from_the_manifest() -> None:
+    assert splitting_entries(ENTRIES, "v1") == ("afd.micro-batch-steps",)
+    assert splitting_entries(ENTRIES, "v2") == ("afd.micro-batch-steps-v2", "afd.micro-batch-runner-v2")
+
+
+def test_a_refused_feature_is_refused_in_the_verdicts_words() -> None:
+    words = {"micro-batches-v2": "feature 'micro-batches-v2' is refused on vLLM 0.28.0 by vllm-0.28.yaml: ..."}
+    with pytest.raises(ValueError, match=r"runner v2 .*no step would be split, since feature 'micro-batches-v2' is "
+                                         r"refused on vLLM 0\.28\.0"):
+        refuse_unless_split(_instance(CpuRunnerV2), 2, V2_APPLIED, words.get)
+    refuse_unless_split(_instance(CpuRunnerV1), 2, [_record("afd.micro-batch-steps", "applied")],
+                        words.get)
 
 
 def test_micro_batches_need_the_splitting_entries_of_the_runner_built() -> None:

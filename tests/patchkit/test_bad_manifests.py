@@ -223,7 +223,7 @@ CASES: list[Case] = [
          e(13, "patches[0].retire_when", "is not of type 'object'")),
     # -- unknown keys ---------------------------------------------------------------------
     Case("unknown-top-level-key", HEAD.replace("patches:\n", "patchez: []\npatches:\n") + ENTRY_A,
-         e(7, "patchez", "unknown key 'patchez' (allowed: defaults, fallback, format, models")),
+         e(7, "patchez", "unknown key 'patchez' (allowed: defaults, fallback, features, format, models")),
     Case("unknown-key-in-vllm", HEAD.replace('  version: ">=0"\n', '  version: ">=0"\n  versoin: "==0.32.0"\n')
          + ENTRY_A, e(6, "vllm.versoin", "unknown key 'versoin' (allowed: commit, version)")),
     Case("unknown-key-in-defaults", HEAD.replace("patches:\n", "defaults: {ondrift: warn}\npatches:\n") + ENTRY_A,
@@ -239,7 +239,7 @@ models:
   - arch: FooForCausalLM
     class: pkvictim.repl:Foo
     klass: pkvictim.repl:Foo
-"""), e(10, "models[0].klass", "unknown key 'klass' (allowed: arch, class, when, why)")),
+"""), e(10, "models[0].klass", "unknown key 'klass' (allowed: arch, class, feature, when, why)")),
     Case("unknown-key-in-workers", HEAD.replace("patches:\n", """\
 workers:
   at: pkvictim:f
@@ -248,7 +248,7 @@ workers:
   overrides:
     - {role: attention, class: pkvictim.repl:Foo}
 """), e(10, "workers.role",
-        "unknown key 'role' (allowed: after, at, fingerprint, on_drift, overrides, reviewed, role_of)")),
+        "unknown key 'role' (allowed: after, at, feature, fingerprint, on_drift, overrides, reviewed, role_of)")),
     Case("unknown-key-in-worker-override", HEAD.replace("patches:\n", """\
 workers:
   at: pkvictim:f

@@ -1,4 +1,4 @@
-"""``requires:``: the manifest format, pins, and injected drift seen by check, retarget and the run-time verdicts.
+"""``requires:``: the manifest format, pins, and injected drift seen by check, retarget and the verdict.
 
 The drift tests copy the installed vLLM tree (tests/support/drift_injection.py) and change one
 required symbol per kind; the run-time half (AFD refused, plain generation unaffected)
@@ -14,7 +14,8 @@ import pytest
 
 from harness.env import REPO
 from patchkit import ManifestError, fingerprint, manifest
-from patchkit.review import requirements
+from patchkit.judge import judge
+from patchkit.manifest.select import judged
 from patchkit.review.check import run_check
 from patchkit.review.diff import diff_manifests, render
 from patchkit.review.retarget import retarget_text
@@ -33,7 +34,16 @@ def _doc(requires: str) -> str:
         packages: [demo_patches]
         vllm: {version: "==0.32.0"}
         requires:
-        """) + textwrap.indent(textwrap.dedent(requires), "  ")
+        """) + textwrap.indent(textwrap.dedent(requires), "  ") + textwrap.dedent("""\
+        features:
+          micro-batches: {without: set micro_batches to 1}
+          family:llama: {without: serve another family}
+        """)
+
+
+def requirement_verdicts(loaded: manifest.Manifest, src: str) -> list:
+    """The verdict's rows of ``loaded``'s requirements against the tree ``src``."""
+    return [m for m in judged(loaded, src).members if m.kind == "require"]
 
 
 @pytest.mark.parametrize("requires,needle", [
@@ -75,9 +85,9 @@ def test_pins_compare_the_parts_they_name():
 
 def test_installed_tree_meets_every_requirement_of_its_manifest():
     loaded = manifest.load(M032)
-    verdicts = requirements.verdicts(loaded)
+    verdicts = requirement_verdicts(loaded, "installed")
     assert len(verdicts) == len(loaded.requires) >= 20
-    assert [v.describe() for v in verdicts if v.verdict != "ok"] == []
+    assert [(v.id, v.reason) for v in verdicts if v.verdict != "ok"] == []
     assert all(v.where and ".py:" in v.where for v in verdicts)
 
 
@@ -90,17 +100,14 @@ def drifted_trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_check_fails_naming_the_drifted_requirement(drifted_trees, kind):
     drift = DRIFTS[kind]
     code, out = run_check(M032, str(drifted_trees[kind]), base_src="installed")
-    # a feature's requirement alone does not fail the check; ``removed`` also breaks the qwen3-moe proxies patch
-    assert code == (0 if kind == "microbatch" else 1), out
+    # a feature's members do not fail the check, unless the feature is required (afd: AFD itself); ``removed``
+    # also breaks the qwen3-moe proxies patch, a member of family:qwen3_moe too
+    assert code == (1 if drift.feature == "afd" else 0), out
     line = next(ln for ln in out.splitlines() if f"requires {drift.requirement} " in ln)
     assert line.endswith(f"-> {drift.verdict}"), line
-    if drift.feature is None:
-        assert line.startswith("[FAIL]"), line
-        assert f"require:{drift.requirement}" in out.splitlines()[-2]  # the 'failing:' summary names it
-    else:  # refuses its feature only
-        assert line.startswith("[feature-off]") and f"feature {drift.feature})" in line, line
-        refused = next(ln for ln in out.splitlines() if ln.startswith(f"feature {drift.feature} refused on this tree"))
-        assert f"require:{drift.requirement}" in refused, refused
+    assert line.startswith("[feature-off]") and f"feature {drift.feature})" in line, line
+    refused = next(ln for ln in out.splitlines() if ln.startswith(f"feature {drift.feature} refused on this tree"))
+    assert f"require:{drift.requirement}" in refused, refused
     assert f"--- base/{drift.requirement}" in out  # with --base: the source diff of the drifted symbol
     if kind == "removed":
         assert "+++ new/(absent)" in out
@@ -122,10 +129,10 @@ def test_retarget_flags_the_drifted_requirement(drifted_trees, kind):
 @pytest.mark.parametrize("kind", sorted(DRIFTS))
 def test_runtime_verdicts_name_the_drifted_requirement(drifted_trees, kind):
     drift = DRIFTS[kind]
-    verdicts = {v.target: v for v in requirements.verdicts(manifest.load(M032), str(drifted_trees[kind]))}
+    verdicts = {v.target: v for v in requirement_verdicts(manifest.load(M032), str(drifted_trees[kind]))}
     v = verdicts[drift.requirement]
     assert v.verdict == drift.verdict and v.fails and v.feature == drift.feature
-    assert drift.requirement in v.describe() and drift.verdict in v.describe()
+    assert drift.verdict in v.reason
 
 
 def _release_with_base(tmp_path: Path, base_text: str) -> Path:
@@ -146,17 +153,18 @@ def test_warn_requirement_is_reported_but_does_not_fail(drifted_trees, tmp_path)
     path = _release_with_base(tmp_path, text)
     code, out = run_check(path, str(drifted_trees["kwarg"]))
     assert code == 0, out
-    assert "[warn] requires vllm.model_executor.models.llama:LlamaMLP.__init__ (pin signature)" in out
+    assert "[warn] requires vllm.model_executor.models.llama:LlamaMLP.__init__ (pin signature, feature afd)" in out
     assert ("[warn] requires vllm.model_executor.models.llama:LlamaDecoderLayer.__init__ (pin full, feature "
             "family:llama)") in out
-    v = next(v for v in requirements.verdicts(manifest.load(path), str(drifted_trees["kwarg"]))
+    v = next(v for v in requirement_verdicts(manifest.load(path), str(drifted_trees["kwarg"]))
              if v.target.endswith("LlamaMLP.__init__"))
     assert v.verdict == "drifted: signature" and not v.fails
 
 
-def test_unreadable_tree_fails_every_requirement(tmp_path):
-    verdicts = requirements.verdicts(manifest.load(M032), str(tmp_path / "absent"))
-    assert verdicts and all(v.verdict.startswith("unreadable:") and v.fails for v in verdicts)
+def test_unreadable_tree_refuses_the_plugin_naming_why(tmp_path):
+    verdict = judged(manifest.load(M032), str(tmp_path / "absent"))
+    assert not verdict.holds
+    assert "the vLLM tree cannot be read" in (verdict.refusal() or ""), verdict.refusal()
 
 
 def test_diff_lists_requirement_changes(tmp_path):
@@ -207,13 +215,15 @@ def test_feature_is_parsed_and_its_name_checked():
 
 def test_a_feature_requirement_refuses_its_feature_only(tmp_path):
     path, tree = _featured(tmp_path)
-    results = requirements.verdicts(manifest.load(path), str(tree))
-    assert requirements.refusing(results) == []  # nothing refuses the plugin itself
-    refused = requirements.refusing(results, "micro-batches")
-    assert [(v.target, v.verdict, v.feature) for v in refused] == [
-        ("vllm.runner:Runner._allow_microbatching", "missing", "micro-batches")]
-    assert requirements.refusing(results, "family:llama") == []
-    assert requirements.refusing(results, "data-parallel") == []  # a feature no requirement names
+    verdict = judge(manifest.load(path), open_tree(str(tree)))
+    assert verdict.holds and verdict.refusal() is None  # nothing refuses the plugin itself
+    assert verdict.refused == {"micro-batches": ["require:vllm.runner:Runner._allow_microbatching"]}
+    words = verdict.refusal("micro-batches") or ""
+    assert "vllm.runner:Runner._allow_microbatching" in words and "missing" in words, words
+    assert words.endswith("Without it: set micro_batches to 1"), words
+    assert verdict.refusal("family:llama") is None
+    with pytest.raises(ValueError, match="feature 'data-parallel' is not declared"):
+        verdict.refusal("data-parallel")
 
 
 def test_check_passes_and_names_the_refused_feature(tmp_path):
@@ -232,9 +242,10 @@ def test_check_passes_and_names_the_refused_feature(tmp_path):
 
 
 def test_afd_refuses_the_feature_by_name_and_still_runs(tmp_path, monkeypatch):
-    """afd's front-end wiring on a status whose verdicts come from the synthetic tree: AFD passes its plan
-    check, a run asking for micro-batches is refused naming the feature, the symbol and its verdict before
-    vLLM builds anything, and the features a run asks for follow its arguments."""
+    """afd's front-end wiring on a status whose verdict comes from the synthetic tree: AFD passes its plan
+    check, a run asking for micro-batches is refused in the verdict's words (the feature, the member, its
+    verdict, the manifest's way without it) before vLLM builds anything, and the features a run asks for follow
+    its arguments."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -244,16 +255,16 @@ def test_afd_refuses_the_feature_by_name_and_still_runs(tmp_path, monkeypatch):
 
     path, tree = _featured(tmp_path)
     loaded = manifest.load(path)
-    results = requirements.verdicts(loaded, str(tree))
+    verdict = judge(loaded, open_tree(str(tree)))
     loaded = dataclasses.replace(loaded, models=(
-        ModelRegistration(arch="AFDLlamaForCausalLM", class_ref="afd_patches.models.llama:AFDLlamaForCausalLM"),))
-    status = patchkit.Status("afd", True, None, "vllm==0.27.1",
-                             SimpleNamespace(manifest=loaded, runtime=SimpleNamespace(vllm_version="0.27.1")))
-    monkeypatch.setattr(requirements, "of_status", lambda s: results)
+        ModelRegistration(arch="AFDLlamaForCausalLM", class_ref="afd_patches.models.llama:AFDLlamaForCausalLM",
+                          feature="family:llama"),))
+    status = patchkit.Status("afd", True, None, "vllm==0.27.1", SimpleNamespace(
+        manifest=loaded, runtime=SimpleNamespace(vllm_version="0.27.1"), compiled=SimpleNamespace(verdict=verdict)))
     monkeypatch.setattr(patchkit, "status", lambda plugin: status if plugin == "afd" else None)
 
     engine_config.require_active_plan()  # AFD itself still runs
-    engine_config.require_features(["family:llama", "data-parallel"])
+    engine_config.require_features(["family:llama"])
 
     def original(args: object) -> object:
         raise AssertionError("vLLM must not build a config for a refused feature")
@@ -263,10 +274,9 @@ def test_afd_refuses_the_feature_by_name_and_still_runs(tmp_path, monkeypatch):
         engine_config.validate_afd_config(original, SimpleNamespace(additional_config={"afd": raw},
                                                                      enable_prefix_caching=True))
     text = str(err.value)
-    assert "AFD feature 'micro-batches' is refused on vLLM 0.27.1" in text, text
-    assert "vllm.runner:Runner._allow_microbatching: missing (pin exists" in text, text
-    assert 'AFD without it still runs: set additional_config["afd"]["connector_extra_config"]["micro_batches"] to 1' \
-        in text, text
+    assert "feature 'micro-batches' is refused on vLLM 0.27.1" in text, text
+    assert "require:vllm.runner:Runner._allow_microbatching (vllm.runner:Runner._allow_microbatching): missing" in text
+    assert "Without it: set micro_batches to 1" in text, text
 
     from afd_patches.config import parse
 

@@ -27,7 +27,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Drift:
     """One change: the requirement it breaks, the verdict ``check`` must give, the edits, and the feature of
-    the requirement (None: it refuses AFD itself)."""
+    the requirement (``afd``: AFD itself, which the manifest marks required)."""
 
     requirement: str
     verdict: str
@@ -47,11 +47,13 @@ DRIFTS: dict[str, Drift] = {
           "            output_size=hidden_size,\n            bias=mlp_bias,", 1),
          (_LLAMA, '            bias=getattr(config, "mlp_bias", False),',
           '            mlp_bias=getattr(config, "mlp_bias", False),', 1)),
+        "afd",
     ),
     "body": Drift(
         "vllm.model_executor.models.llama:LlamaForCausalLM", "drifted: body",
         ((_LLAMA, "        return model_output\n",
           "        model_output = model_output\n        return model_output\n", 1),),
+        "afd",
     ),
     "removed": Drift(
         "vllm.model_executor.models.qwen3_moe:Qwen3MoeSparseMoeBlock.__init__", "missing",
