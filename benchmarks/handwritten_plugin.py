@@ -16,9 +16,9 @@ import sys
 from typing import Any
 
 MODELS = {
-    "AFDLlamaForCausalLM": "afd_patches.models.llama:AFDLlamaForCausalLM",
-    "AFDQwen3ForCausalLM": "afd_patches.models.qwen3:AFDQwen3ForCausalLM",
-    "AFDQwen3MoeForCausalLM": "afd_patches.models.qwen3_moe:AFDQwen3MoeForCausalLM",
+    "AFDLlamaForCausalLM": "afd_patches.models.simple:AFDLlamaForCausalLM",
+    "AFDQwen3ForCausalLM": "afd_patches.models.simple:AFDQwen3ForCausalLM",
+    "AFDQwen3MoeForCausalLM": "afd_patches.models.simple:AFDQwen3MoeForCausalLM",
     "AFDDeepseekV2ForCausalLM": "afd_patches.models.deepseek_v2:AFDDeepseekV2ForCausalLM",
     "AFDDeepseekV3ForCausalLM": "afd_patches.models.deepseek_v2:AFDDeepseekV3ForCausalLM",
 }

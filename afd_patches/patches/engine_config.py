@@ -12,8 +12,9 @@ model family, ``family_of``), are decided here:
 - ``micro-batches``: an attention engine with ``connector_extra_config.micro_batches`` > 1;
 - ``data-parallel``: ``--data-parallel-size`` > 1;
 - ``tp-groups``: ``--tensor-parallel-size`` > 1;
-- ``family:<name>``: a model of that AFD family, ``<name>`` being the module of ``afd_patches.models``
-  that holds its class (``family:llama``, ``family:deepseek_v2``), read from the manifest's ``models``.
+- ``family:<name>``: a model of that AFD family (``family:llama``, ``family:deepseek_v2``): the row of
+  ``afd_patches.models.families`` that generates its class, else the module of ``afd_patches.models`` that
+  holds it, read from the manifest's ``models`` (``families.family_name``, which imports no model).
 """
 
 from __future__ import annotations
@@ -73,15 +74,16 @@ def features_asked(engine_args: Any, cfg: Any) -> list[str]:
 
 
 def family_of(vllm_config: Any) -> str | None:
-    """``family:<module>`` of the AFD model the config names (its first architecture that the active afd
+    """``family:<name>`` of the AFD model the config names (its first architecture that the active afd
     manifest registers), or None when it names none (vLLM then refuses an unknown architecture itself)."""
     import patchkit
+    from afd_patches.models.families import family_name
 
     status = patchkit.status("afd")
     registered = {m.arch: m.class_ref for m in status.run.manifest.models} if status and status.run else {}
     for arch in getattr(getattr(vllm_config, "model_config", None), "architectures", None) or ():
         if arch in registered:
-            return "family:" + registered[arch].partition(":")[0].rpartition(".")[2]
+            return "family:" + family_name(registered[arch])
     return None
 
 

@@ -246,7 +246,7 @@ def test_afd_refuses_the_feature_by_name_and_still_runs(tmp_path, monkeypatch):
     loaded = manifest.load(path)
     results = requirements.verdicts(loaded, str(tree))
     loaded = dataclasses.replace(loaded, models=(
-        ModelRegistration(arch="AFDLlamaForCausalLM", class_ref="afd_patches.models.llama:AFDLlamaForCausalLM"),))
+        ModelRegistration(arch="AFDLlamaForCausalLM", class_ref="afd_patches.models.simple:AFDLlamaForCausalLM"),))
     status = patchkit.Status("afd", True, None, "vllm==0.27.1",
                              SimpleNamespace(manifest=loaded, runtime=SimpleNamespace(vllm_version="0.27.1")))
     monkeypatch.setattr(requirements, "of_status", lambda s: results)
