@@ -58,8 +58,7 @@ def report_per_size(pair: Pair, opts: dict[str, Any], message: str, check: str) 
 
 
 def check_exchange(opts: dict[str, Any]) -> None:
-    pair = Pair({**opts, "plan": "sizes"})
-    try:
+    with Pair({**opts, "plan": "sizes"}) as pair:
         if not report_per_size(pair, opts, "size", "exchange"):
             return
         idle = pair.wait_for("attention-idle", 30)
@@ -71,19 +70,14 @@ def check_exchange(opts: dict[str, Any]) -> None:
                   and closed["thread_s"] < bound)
         report("close_while_blocked", ok, bound_s=bound, **(closed or {}))
         pair.to_attn.put("done")
-    finally:
-        pair.end()
 
 
 def check_piecewise(opts: dict[str, Any]) -> None:
-    pair = Pair({**opts, "plan": "piecewise"})
-    try:
+    with Pair({**opts, "plan": "piecewise"}) as pair:
         if not report_per_size(pair, opts, "piecewise", "piecewise"):
             return
         pair.wait_for("attention-idle", 30)
         pair.to_attn.put("done")
-    finally:
-        pair.end()
 
 
 def ffn_count(pair: Pair, at_least: int) -> int | None:
@@ -101,8 +95,7 @@ def ffn_count(pair: Pair, at_least: int) -> int | None:
 
 
 def check_microbatch(opts: dict[str, Any]) -> None:
-    pair = Pair({**opts, "plan": "microbatch"})
-    try:
+    with Pair({**opts, "plan": "microbatch"}) as pair:
         served = 0
         for n, streams in opts["variants"]:
             got = pair.wait_any(["microbatch", "attention"], 240)
@@ -126,13 +119,10 @@ def check_microbatch(opts: dict[str, Any]) -> None:
             pair.to_attn.put("next")
         pair.wait_for("attention-idle", 30)
         pair.to_attn.put("done")
-    finally:
-        pair.end()
 
 
 def check_idle(opts: dict[str, Any]) -> None:
-    pair = Pair({**opts, "plan": "idle"})
-    try:
+    with Pair({**opts, "plan": "idle"}) as pair:
         first = pair.wait_for("attention-idle", 120)
         if first is None:
             report("idle_no_watchdog_abort", False, attention=pair.wait_for("attention", 1),
@@ -152,5 +142,3 @@ def check_idle(opts: dict[str, Any]) -> None:
         ok = bool(res and "lost attention rank 0" in res.get("message", "") and elapsed is not None
                   and elapsed < opts["timeout_s"] + SLACK_S)
         report("dead_peer_noticed_while_idle", ok, elapsed_s=elapsed, timeout_s=opts["timeout_s"], ffn=res)
-    finally:
-        pair.end()

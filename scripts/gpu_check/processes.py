@@ -247,3 +247,9 @@ class Pair:
                 p.kill()
             p.join(10)
 
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
