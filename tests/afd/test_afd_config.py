@@ -143,37 +143,43 @@ def test_token_from_env_or_private_file(tmp_path, monkeypatch: pytest.MonkeyPatc
     assert parse({"role": "ffn", "host": "10.0.0.1", "token_file": str(path)}).token_file == str(path)
 
 
-def _refused(path: str, fragment: str) -> None:
+def _token_file(text: str, mode: int) -> Any:
+    def make(tmp_path: Path) -> Path:
+        path = tmp_path / "token"
+        path.write_text(text)
+        path.chmod(mode)
+        return path
+
+    return make
+
+
+def _symlink_to_a_good_one(tmp_path: Path) -> Path:
+    link = tmp_path / "link"
+    link.symlink_to(_token_file(TOKEN, 0o600)(tmp_path))
+    return link
+
+
+def _fifo(tmp_path: Path) -> Path:
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    return fifo
+
+
+@pytest.mark.parametrize("make,fragment", [
+    (_token_file(TOKEN, 0o644), "chmod 600"),
+    (_symlink_to_a_good_one, "symbolic link"),
+    (_fifo, "not a regular file"),  # and it did not block waiting for a writer
+    (_token_file("abc", 0o600), "fewer than 128"),
+    (lambda tmp_path: tmp_path / "missing", "cannot open"),
+    (_token_file("x" * 5000, 0o600), "more than 4096"),
+], ids=["loose", "symlink", "fifo", "short", "missing", "big"])
+def test_token_file_refusals(tmp_path: Path, no_token: None, make: Any, fragment: str) -> None:
+    path = str(make(tmp_path))
     with pytest.raises(AfdConfigError) as e:
         parse({"role": "ffn", "host": "10.0.0.1", "token_file": path})
     assert str(e.value).startswith('additional_config["afd"]["token_file"]') and fragment in str(e.value), e.value
-
-
-def test_token_file_refusals(tmp_path, no_token: None) -> None:
-    import os
-
-    good = tmp_path / "good"
-    good.write_text(TOKEN)
-    good.chmod(0o600)
-    loose = tmp_path / "loose"
-    loose.write_text(TOKEN)
-    loose.chmod(0o644)
-    _refused(str(loose), "chmod 600")
-    link = tmp_path / "link"
-    link.symlink_to(good)
-    _refused(str(link), "symbolic link")
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo, 0o600)
-    _refused(str(fifo), "not a regular file")  # and it did not block waiting for a writer
-    short = tmp_path / "short"
-    short.write_text("abc")
-    short.chmod(0o600)
-    _refused(str(short), "fewer than 128")
-    _refused(str(tmp_path / "missing"), "cannot open")
-    big = tmp_path / "big"
-    big.write_text("x" * 5000)
-    big.chmod(0o600)
-    _refused(str(big), "more than 4096")
 
 
 def test_to_dict_parses_again(tmp_path, no_token: None) -> None:

@@ -48,24 +48,39 @@ def test_format_round_trips():
 
 
 # ------------------------------------------------------------------ default placement
-def test_two_cores_one_pair_ffn_first():
-    assert derive(_flat(2), "ffn", 0, 1, 1) == [[0]]
-    assert derive(_flat(2), "attention", 0, 1, 1) == [[1]]
+_SMT = [Cpu(i, i % 8, (i % 8) // 4) for i in range(16)]  # 2 sockets of 4 cores, 2-way SMT (Linux numbering:
+# socket 0 cores 0-3 are CPUs 0-3 with siblings 8-11, socket 1 cores 4-7 are CPUs 4-7 with siblings 12-15)
 
 
-def test_fewer_cores_than_engines_share_round_robin():
-    assert derive(_flat(1), "ffn", 0, 1, 1) == derive(_flat(1), "attention", 0, 1, 1) == [[0]]
-    got = [derive(_flat(2), role, rank, 2, 1) for role, rank in (("ffn", 0), ("attention", 0), ("attention", 1))]
-    assert got == [[[0]], [[1]], [[0]]]
-
-
-def test_shares_are_contiguous_and_disjoint_and_extra_cores_go_to_attention():
-    # 7 cores, 2A1F: shares 2, 2, 3 (the larger last); each keeps its last core for the engine core
-    shares = [derive(_flat(7), role, rank, 2, 1) for role, rank in (("ffn", 0), ("attention", 0), ("attention", 1))]
-    assert shares == [[[0]], [[2]], [[4, 5]]]
+@pytest.mark.parametrize("cpus,role,rank,a,f,workers,expected", [
+    # two cores, one pair: FFN first
+    (_flat(2), "ffn", 0, 1, 1, 1, [[0]]),
+    (_flat(2), "attention", 0, 1, 1, 1, [[1]]),
+    # fewer cores than engines: shared round robin
+    (_flat(1), "ffn", 0, 1, 1, 1, [[0]]),
+    (_flat(1), "attention", 0, 1, 1, 1, [[0]]),
+    (_flat(2), "ffn", 0, 2, 1, 1, [[0]]),
+    (_flat(2), "attention", 0, 2, 1, 1, [[1]]),
+    (_flat(2), "attention", 1, 2, 1, 1, [[0]]),
+    # 7 cores, 2A1F: contiguous, disjoint shares of 2, 2, 3 (extra cores to the last attention engine), each
+    # keeping its last core for the engine core
+    (_flat(7), "ffn", 0, 2, 1, 1, [[0]]),
+    (_flat(7), "attention", 0, 2, 1, 1, [[2]]),
+    (_flat(7), "attention", 1, 2, 1, 1, [[4, 5]]),
     # 8 cores, 1A1F: 4 each, one kept back
-    assert derive(_flat(8), "ffn", 0, 1, 1) == [[0, 1, 2]]
-    assert derive(_flat(8), "attention", 0, 1, 1) == [[4, 5, 6]]
+    (_flat(8), "ffn", 0, 1, 1, 1, [[0, 1, 2]]),
+    (_flat(8), "attention", 0, 1, 1, 1, [[4, 5, 6]]),
+    # two sockets with SMT: one role per socket, one thread per core (the last sibling), one core kept back
+    (_SMT, "ffn", 0, 1, 1, 1, [[8, 9, 10]]),
+    (_SMT, "attention", 0, 1, 1, 1, [[12, 13, 14]]),
+    # several workers per engine: the share split between them (4 cores: 2 kept, one each)
+    (_flat(8), "attention", 0, 1, 1, 2, [[4], [5]]),
+    (_flat(12), "ffn", 0, 1, 1, 2, [[0, 1], [2, 3]]),
+    (_flat(2), "ffn", 0, 1, 1, 2, [[0], [0]]),
+])
+def test_default_placement(cpus: list[Cpu], role: str, rank: int, a: int, f: int, workers: int,
+                           expected: list[list[int]]):
+    assert derive(cpus, role, rank, a, f, workers=workers) == expected
 
 
 def test_every_engine_gets_its_own_cores_when_there_are_enough():
@@ -81,19 +96,8 @@ def test_every_engine_gets_its_own_cores_when_there_are_enough():
                     seen |= cpus
 
 
-def test_two_sockets_with_smt_one_role_per_socket_one_thread_per_core():
-    # Linux numbering on a 2-socket, 2-way SMT host: socket 0 cores 0-3 (CPUs 0-3 and siblings 8-11),
-    # socket 1 cores 4-7 (CPUs 4-7 and 12-15)
-    cpus = [Cpu(i, i % 8, (i % 8) // 4) for i in range(16)]
-    assert physical_cores(cpus)[:2] == [[0, 8], [1, 9]]
-    assert derive(cpus, "ffn", 0, 1, 1) == [[8, 9, 10]]  # socket 0, the last sibling of 3 cores, one kept back
-    assert derive(cpus, "attention", 0, 1, 1) == [[12, 13, 14]]  # socket 1
-
-
-def test_several_workers_per_engine():
-    assert derive(_flat(8), "attention", 0, 1, 1, workers=2) == [[4], [5]]  # 4 cores: 2 kept, one each
-    assert derive(_flat(12), "ffn", 0, 1, 1, workers=2) == [[0, 1], [2, 3]]
-    assert derive(_flat(2), "ffn", 0, 1, 1, workers=2) == [[0], [0]]
+def test_physical_cores_group_smt_siblings():
+    assert physical_cores(_SMT)[:2] == [[0, 8], [1, 9]]
 
 
 def test_bad_topology_is_refused():

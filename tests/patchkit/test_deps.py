@@ -44,8 +44,8 @@ def afd_copy(tmp_path: Path) -> Path:
 def test_deps_finds_a_vllm_symbol_added_to_a_copy_of_afd_patches(afd_copy, capsys):
     assert main(["deps", str(MANIFESTS / "vllm-0.32.yaml"), "--src", str(afd_copy)]) == 0
     declared = int(re.search(r"(\d+) vLLM symbols", capsys.readouterr().out).group(1))
-    llama = afd_copy / "afd_patches" / "models" / "llama.py"
-    llama.write_text(llama.read_text() + (
+    simple = afd_copy / "afd_patches" / "models" / "simple.py"
+    simple.write_text(simple.read_text() + (
         "\n\ndef _layer_of(prefix: str) -> int:\n"
         "    from vllm.model_executor.models.utils import extract_layer_index as index_of\n\n"
         "    return index_of(prefix)\n"))
@@ -53,7 +53,7 @@ def test_deps_finds_a_vllm_symbol_added_to_a_copy_of_afd_patches(afd_copy, capsy
     out = capsys.readouterr().out
     assert code == 1, out
     assert "UNDECLARED vllm.model_executor.models.utils:extract_layer_index (call;" in out, out
-    assert "afd_patches/models/llama.py:" in out
+    assert "afd_patches/models/simple.py:" in out
     assert "target: vllm.model_executor.models.utils:extract_layer_index\n    pin: signature" in out  # --suggest
     assert f"{declared + 1} vLLM symbols" in out and f"{declared} declared" in out
 

@@ -257,7 +257,7 @@ def test_afd_refuses_the_feature_by_name_and_still_runs(tmp_path, monkeypatch):
     loaded = manifest.load(path)
     verdict = judge(loaded, open_tree(str(tree)))
     loaded = dataclasses.replace(loaded, models=(
-        ModelRegistration(arch="AFDLlamaForCausalLM", class_ref="afd_patches.models.llama:AFDLlamaForCausalLM",
+        ModelRegistration(arch="AFDLlamaForCausalLM", class_ref="afd_patches.models.simple:AFDLlamaForCausalLM",
                           feature="family:llama"),))
     status = patchkit.Status("afd", True, None, "vllm==0.27.1", SimpleNamespace(
         manifest=loaded, runtime=SimpleNamespace(vllm_version="0.27.1"), compiled=SimpleNamespace(verdict=verdict)))
