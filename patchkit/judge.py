@@ -96,7 +96,7 @@ def judge(manifest: Manifest, tree: SourceTree, resolver: Resolver | None = None
             d = report.definition
             where = f"{tree.path_of(d.module)}:{d.first_line}" if d else None
             members.append(member(entry, report, checker.check(entry, report.definition), where))
-        inputs = tree.inputs() or ()
+        inputs = (*(tree.inputs() or ()), *checker.inputs())
     finally:
         if collecting:
             gc.enable()

@@ -91,7 +91,7 @@ def require_features(features: list[str]) -> None:
     for feature in features:
         words = status.refusal(feature) if status is not None else None
         if words:
-            raise AfdUnavailable(f"AFD: {words}. See docs/manifests.md, 'Features'.")
+            raise AfdUnavailable(f"AFD: {words}. See docs/manifests.md, 'Features and the verdict'.")
 
 
 def refuse_cpu_expert_parallel(engine_args: Any, on_cpu: bool) -> None:

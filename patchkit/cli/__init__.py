@@ -73,6 +73,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             status = 1
             continue
         print(f"{plugin}: {compiled.manifest.file} (plan {compiled.digest})")
+        judged = compiled.verdict
+        if judged is not None:  # the one every vLLM process applies (patchkit.judge)
+            refused = ", ".join(sorted(judged.refused)) or "none"
+            print(f"  verdict on {judged.tree} ({judged.digest}): "
+                  + (f"the plugin holds; features refused: {refused}" if judged.holds
+                     else f"REFUSED: {judged.refusal()}"))
+            status = status or (0 if judged.holds else 1)
         origin = _origins(compiled.manifest.file) if args.explain else {}
         if origin:
             print(f"  from {' <- '.join(Path(f).name for f, _ in reversed(compiled.manifest.chain))}")
@@ -81,6 +88,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for n, entry_id in enumerate(compiled.order, 1):
             e = entries[entry_id]
             verdict = compiled.static.get(entry_id) or runtime_verdict(e.when, runtime) or "guards hold"
+            if judged is not None and judged.off(e.feature):
+                verdict = f"feature-off: feature {e.feature} is refused"
             fp = ""
             if args.fingerprints and e.fingerprint:
                 try:
@@ -98,7 +107,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if e.id in origin:
                 print("      from " + ", ".join(f"{k}: {v}" for k, v in origin[e.id].items()))
         for m in compiled.manifest.models:
-            print(f"   model {m.arch} -> {m.class_ref}: {compiled.static.get('model:' + m.arch) or 'guards hold'}")
+            off = judged is not None and judged.off(m.feature)
+            said = f"feature-off: feature {m.feature} is refused" if off else None
+            said = said or compiled.static.get("model:" + m.arch) or "guards hold"
+            print(f"   model {m.arch} -> {m.class_ref}: {said}")
     return status
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,9 @@ _PATCHKIT = Path(__file__).resolve().parents[1]
 
 
 def _code_digest() -> str:
-    """SHA-256 of patchkit's ``.py`` files (names and content): a changed checker never reads old rows."""
-    h = hashlib.sha256(FORMAT.encode())
+    """SHA-256 of patchkit's ``.py`` files (names and content) and of the Python minor version (fingerprints of
+    the AST may change with it): a changed checker never reads old rows."""
+    h = hashlib.sha256(f"{FORMAT}|{sys.version_info[0]}.{sys.version_info[1]}".encode())  # AST shapes: per minor
     for path in sorted(_PATCHKIT.rglob("*.py")):
         h.update(f"{path.relative_to(_PATCHKIT)}\0".encode())
         h.update(path.read_bytes())

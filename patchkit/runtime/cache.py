@@ -33,8 +33,9 @@ What. Data only, checked again when read; nothing read from here is executed.
   edited or reinstalled vLLM is judged again);
   anything else is a miss and the plan is compiled again.
 - fingerprints (``fingerprints.json``) are keyed by the SHA-256 of the source
-  file's content plus the definition's first line and qualified name, so an
-  edited file never finds a stale value; values must look like fingerprints.
+  file's content plus the definition's first line, qualified name and the Python
+  minor version, so an edited file never finds a stale value; values must look like
+  fingerprints.
 Only this user can write what is read here; such a user can already change
 what this user's processes run, and a file they wrote is still data.
 
@@ -355,7 +356,7 @@ class Fingerprints:
                 self._file_digests[file] = _sha256_file(file)
             except OSError:
                 return None
-        return f"{self._file_digests[file]}|{code.co_firstlineno}|{code.co_qualname}"
+        return f"{self._file_digests[file]}|{code.co_firstlineno}|{code.co_qualname}|{sys.version_info[1]}"
 
 
 def _is_fingerprint(value: object) -> bool:

@@ -219,7 +219,7 @@ class Run:
             if judged is not None and not judged.fails:
                 reason = (f"{reason} [contradicts the verdict, which found {entry.target} {judged.verdict} in "
                           f"{self.compiled.verdict.tree}: the tree changed after it was judged, or the static "
-                          "model cannot see this (docs/manifests.md, 'The verdict')]")
+                          "model cannot see this (docs/manifests.md, 'Features and the verdict')]")
             if entry.required:
                 self._fail(PatchError(entry.id, reason))
                 record.outcome, record.reason = "failed", reason

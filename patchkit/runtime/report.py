@@ -7,7 +7,8 @@ time, and the facts the plugin noted (``patchkit.note``: e.g. the model
 runner). Reports hold no environment variables and no argument values.
 
 ``check(dir)`` reads them all and says whether every process applied the same
-plan (same digest) without failure. It reads a report as the plan cache reads
+plan (same digest) and the same verdict (its summary, and the entries it left out: ``feature-off``,
+``refused``) without failure. It reads a report as the plan cache reads
 its files (``patchkit.runtime.cache.read_own``): this user's own regular file,
 one link, not writable by others, at most ``MAX_BYTES``, opened without
 following a symlink or waiting on a FIFO. Any other ``*.json`` entry, and one
@@ -101,16 +102,40 @@ def check(directory: Path) -> tuple[bool, list[str]]:
         lines.append(f"{r['file']}: pid {r.get('pid')} role {r.get('role')} plan {r.get('digest')} "
                      f"{r.get('status')}: {summary}{noted}" + (f" — {r['error']}" if r.get("error") else ""))
     digests = {str(r.get("digest")) for r in read}
+    verdicts = {_verdict_of(r) for r in read}
+    decided = {_decided(r) for r in read}
     failed = [r for r in read if r.get("status") not in ("active", "reverted")]
-    ok = len(digests) == 1 and not failed and not unread
+    ok = len(digests) == 1 and len(verdicts) == 1 and len(decided) == 1 and not failed and not unread
     if len(digests) > 1:
         lines.append(f"MISMATCH: {len(digests)} different plans: {', '.join(sorted(digests))}")
+    if len(verdicts) > 1:
+        lines.append(f"MISMATCH: {len(verdicts)} different verdicts: {'; '.join(sorted(verdicts))}")
+    if len(decided) > 1:
+        lines.append("MISMATCH: the verdict's outcomes differ between processes: "
+                     + "; ".join(", ".join(d) or "none" for d in sorted(decided)))
     if failed:
         lines.append(f"FAILED: {len(failed)} process(es) did not apply their plan")
     if unread:
         lines.append(f"NOT READ: {len(unread)} file(s): {', '.join(r['file'] for r in unread)}")
     lines.append(f"{'OK' if ok else 'NOT OK'}: {len(read)} process(es), plan {'/'.join(sorted(digests))}")
     return ok, lines
+
+
+def _verdict_of(report: dict[str, Any]) -> str:
+    """The report's verdict summary as one comparable string (``none``: the plan had no verdict)."""
+    verdict = report.get("verdict")
+    return json.dumps(verdict, sort_keys=True) if verdict is not None else "none"
+
+
+VERDICT_OUTCOMES = ("feature-off", "refused")  # outcomes the verdict decides: equal in every process
+
+
+def _decided(report: dict[str, Any]) -> tuple[str, ...]:
+    """``id: outcome`` of the entries whose outcome the verdict decided (``VERDICT_OUTCOMES``). Other
+    outcomes may differ by process (an entry waits until its module is imported there)."""
+    entries = report.get("entries")
+    return tuple(sorted(f"{e.get('id')}: {e.get('outcome')}" for e in entries if isinstance(e, dict)
+                        and e.get("outcome") in VERDICT_OUTCOMES)) if isinstance(entries, list) else ("malformed",)
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:

@@ -211,6 +211,11 @@ class Checker:
         self._plugin: dict[str, Resolver | None] = {}
         self._callables: dict[str, inspect.Signature | str] = {}
 
+    def inputs(self) -> tuple[tuple[str, int, int], ...]:
+        """What was read of the plugin's packages (``SourceTree.inputs``): a stored verdict re-stats these
+        too, so an edited plugin callable is judged again."""
+        return tuple(i for r in self._plugin.values() if r is not None for i in (r.tree.inputs() or ()))
+
     def _plugin_resolver(self, package: str) -> Resolver | None:
         """The plugin package's tree (the manifest allows references into its ``packages`` only), or None."""
         if package not in self._plugin:

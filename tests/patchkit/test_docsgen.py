@@ -101,7 +101,8 @@ def test_requirements_listed_per_release(tmp_path):
         path.write_text(path.read_text().replace("\nmodels:", (
             "\nrequires:\n  - target: vllm.z:Base.__init__\n"
             f"    pin: {pin}\n    {feature}fingerprint: \"ast1:0123456789abcdef:0123456789abcdef\"\n"
-            "    why: constructed with keywords\nmodels:"), 1))
+            "    why: constructed with keywords\nmodels:"), 1)
+            + ("features:\n  x-y: {without: w}\n" if feature else ""))
     text = render(dirs)
     assert "| `vllm-0.32.yaml` | `vllm==0.32.0` | — | 1 | 1 | 1 | yes |" in text
     section = text[text.index("### Requirements"):text.index("### Models")]

@@ -36,6 +36,7 @@ def _doc(requires: str) -> str:
         requires:
         """) + textwrap.indent(textwrap.dedent(requires), "  ") + textwrap.dedent("""\
         features:
+          afd: {without: run without AFD}
           micro-batches: {without: set micro_batches to 1}
           family:llama: {without: serve another family}
         """)
@@ -145,9 +146,9 @@ def _release_with_base(tmp_path: Path, base_text: str) -> Path:
 
 def test_warn_requirement_is_reported_but_does_not_fail(drifted_trees, tmp_path):
     text = BASE.read_text()
-    for target, pin in (("LlamaMLP.__init__", "signature"), ("LlamaDecoderLayer.__init__", "full")):
+    for target in ("LlamaMLP.__init__", "LlamaDecoderLayer.__init__"):
         # the drift renames a keyword of LlamaMLP and, so, the call site in LlamaDecoderLayer.__init__
-        entry = f"  - target: vllm.model_executor.models.llama:{target}\n    pin: {pin}\n"
+        entry = f"  - target: vllm.model_executor.models.llama:{target}\n"
         assert entry in text
         text = text.replace(entry, entry + "    on_drift: warn\n")
     path = _release_with_base(tmp_path, text)
