@@ -5,7 +5,9 @@
 signature``, ``drifted: body``, ``moved``, ``missing``), the pinned and found
 fingerprints, where the definition is, every alias site that binds the target
 and whether ``rebind`` covers it, the subclasses that override a method target,
-whether ``retire_when`` holds for the tree's version, and — given ``base_src``,
+whether ``retire_when`` holds for the tree's version, the call paths that choose between the target and
+a same-named sibling of another module (``patchkit.static.callpaths``; ``sibling_patched`` says whether an
+entry of the manifest patches that sibling), and — given ``base_src``,
 the tree the manifest was written against — a unified diff of each drifted or
 moved target. Requirements (``requires:``, entries with op ``require`` and id
 ``require:<target>``) get the same verdicts, judged by their ``pin``; one scoped to a ``feature`` that
@@ -19,7 +21,9 @@ Exit codes: 0 nothing would fail; 1 an entry that is required with
 ``on_drift: fail`` is drifted, moved or missing (an ``op: set`` entry whose
 owner exists may create a missing attribute and does not fail), or an entry's callable does not fit
 its target (whatever ``required`` and ``on_drift`` say, as a wrapper that is installed breaks every
-call; unless ``on_drift: skip`` leaves a drifted target unpatched); 2 bad input —
+call; unless ``on_drift: skip`` leaves a drifted target unpatched), or — with ``strict_call_paths``
+(``--strict-call-paths``) — a call path leads to a sibling no entry patches (by default such siblings are
+listed and counted in ``summary.unpatched_siblings`` only: docs/review.md says why); 2 bad input —
 missing path, not a vLLM tree, corrupt wheel, invalid manifest, unknown format.
 For exit 2 the output is the error text (for an invalid manifest, the
 ``file:line: field: message`` lines); no input produces a traceback.
@@ -85,6 +89,8 @@ class EntryCheck:
             "uncovered_sites": len(r.uncovered),
             "overrides": [{"ref": o.definition.ref, "file": o.file, "line": o.definition.first_line,
                            "calls_super": o.calls_super} for o in r.overrides],
+            "call_paths": [p.to_json() for p in r.call_paths],
+            "unpatched_siblings": len(r.call_paths),  # until ``_mark_siblings`` has seen every entry
             "retire": self.retire,
             "diff": self.diff,
             "signatures": [f.to_json() for f in self.signatures],
@@ -241,6 +247,27 @@ def _check_all(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vl
     return [rows[i] for i in range(len(entries))], len(set(parsed)), len(entries) - len(todo), problems
 
 
+def _mark_siblings(rows: list[dict[str, Any]]) -> int:
+    """Set each call path's ``sibling_patched`` (and each row's ``unpatched_siblings``) from every entry of the
+    manifest: a sibling is patched when an entry that changes vLLM names it as its target or resolves to it.
+    Done after the rows are assembled, cached ones included, as it depends on the other entries. Returns the
+    number of unpatched siblings (each sibling counted once)."""
+    patched = set()
+    for row in rows:
+        if row["op"] != "require":
+            patched.add(row["target"])
+            if row["definition"]:
+                patched.add(row["definition"]["ref"])
+    unpatched = set()
+    for row in rows:
+        for path in row["call_paths"]:
+            path["sibling_patched"] = path["sibling"] in patched
+            if not path["sibling_patched"]:
+                unpatched.add(path["sibling"])
+        row["unpatched_siblings"] = sum(not p["sibling_patched"] for p in row["call_paths"])
+    return len(unpatched)
+
+
 def _header(manifest: Manifest, tree: SourceTree, base: SourceTree | None) -> dict[str, Any]:
     return {
         "manifest": manifest.file,
@@ -252,13 +279,15 @@ def _header(manifest: Manifest, tree: SourceTree, base: SourceTree | None) -> di
 
 
 def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = None,
-              fmt: str = "text", keep: list[object] | None = None, use_cache: bool = True) -> tuple[int, str]:
+              fmt: str = "text", keep: list[object] | None = None, use_cache: bool = True,
+              strict_call_paths: bool = False) -> tuple[int, str]:
     """Check a manifest against a tree; ``(exit_code, output)`` as described in the module docstring.
 
     ``keep``, when given, receives the parsed trees instead of their being freed on return (the
     command line passes a list that lives until it exits without freeing them). ``use_cache``: reuse
     and store the rows of entries unchanged since the last check on the same trees
-    (``patchkit.review.check_cache``)."""
+    (``patchkit.review.check_cache``). ``strict_call_paths``: a call path to a sibling no entry patches
+    makes the exit code 1 (default: it is reported and counted only)."""
     from patchkit import manifest as manifest_mod
 
     if fmt not in FORMATS:
@@ -283,7 +312,8 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
     finally:
         if collecting:
             gc.enable()
-    code = 1 if any(row["fails"] for row in rows) else 0
+    unpatched = _mark_siblings(rows)
+    code = 1 if any(row["fails"] for row in rows) or (strict_call_paths and unpatched) else 0
     doc = _header(loaded, tree, base)
     doc["entries"] = rows
     doc["problems"] = problems
@@ -298,6 +328,7 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
                       "verdicts": counts, "failing": [row["id"] for row in rows if row["fails"]],
                       "misfits": [row["id"] for row in rows if any(f["fits"] is False for f in row["signatures"])],
                       "uncovered_sites": sum(row["uncovered_sites"] for row in rows),
+                      "unpatched_siblings": unpatched,
                       "modules": len(tree.modules), "parsed": parsed, "cached": cached,
                       "seconds": round(time.perf_counter() - started, 3)}
     doc["exit_code"] = code
@@ -355,6 +386,7 @@ def _text(doc: dict[str, Any]) -> str:
             for o in e["overrides"]:
                 sup = "calls super" if o["calls_super"] else "does not call super"
                 out.append(f"      {o['ref']} ({o['file']}:{o['line']}, {sup})")
+        out.extend(f"    {line}" for line in _call_path_lines(e))
         out.extend(f"    {line}" for line in _signature_lines(e))
         retire = _retire_text(e["retire"])
         if retire:
@@ -370,11 +402,23 @@ def _text(doc: dict[str, Any]) -> str:
     out.extend(f"feature {name} refused on this tree (the plugin runs without it): {', '.join(ids)}"
                for name, ids in s["features_refused"].items())
     out.append(f"{s['entries']} entries ({s['requirements']} requirements): {verdicts}; "
-               f"{s['uncovered_sites']} uncovered alias sites; callables that do not fit: "
-               f"{', '.join(s['misfits']) or 'none'}; failing: {', '.join(s['failing']) or 'none'} "
-               f"(exit {doc['exit_code']})")
+               f"{s['uncovered_sites']} uncovered alias sites; {s['unpatched_siblings']} unpatched call-path "
+               f"siblings; callables that do not fit: {', '.join(s['misfits']) or 'none'}; "
+               f"failing: {', '.join(s['failing']) or 'none'} (exit {doc['exit_code']})")
     out.append(f"parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s{_cached_text(s)}")
     return "\n".join(out) + "\n"
+
+
+def _call_path_lines(e: dict[str, Any]) -> list[str]:
+    """The text lines of one entry's call paths: each caller that chooses, and whether the sibling is patched."""
+    if not e["call_paths"]:
+        return []
+    out = [f"call paths: {len(e['call_paths'])} ({e['unpatched_siblings']} to a sibling no entry patches)"]
+    for p in e["call_paths"]:
+        mark = "patched  " if p["sibling_patched"] else "UNPATCHED"
+        out.append(f"  {mark} {p['sibling']} at {p['file']}:{p['line']} in {p['caller']} ({p['kind']}, "
+                   f"{p['via']}): sibling when {p['sibling_condition']}; this target when {p['condition']}")
+    return out
 
 
 def _signature_lines(e: dict[str, Any]) -> list[str]:
@@ -405,13 +449,13 @@ def _markdown(doc: dict[str, Any]) -> str:
     out = [f"## patchkit check: `{doc['manifest']}`", "", _pin_line(doc) + "", ""]
     if doc["base"]:
         out += [f"Base: vLLM {doc['base']['version'] or 'unknown version'} from `{doc['base']['source']}`", ""]
-    out += ["| entry | target | verdict | fails | uncovered aliases | overriding subclasses | retire |",
-            "|---|---|---|---|---|---|---|"]
+    out += ["| entry | target | verdict | fails | uncovered aliases | overriding subclasses | unpatched siblings | "
+            "retire |", "|---|---|---|---|---|---|---|---|"]
     for e in doc["entries"]:
         retire = _retire_text(e["retire"]) or ""
         fails = "**yes**" if e["fails"] else f"refuses `{e['refuses_feature']}`" if e["refuses_feature"] else "no"
         out.append(f"| `{e['id']}` | `{e['target']}` | {e['verdict']} | {fails} | "
-                   f"{e['uncovered_sites']} | {len(e['overrides'])} | {_md(retire)} |")
+                   f"{e['uncovered_sites']} | {len(e['overrides'])} | {e['unpatched_siblings']} | {_md(retire)} |")
     for e in doc["entries"]:
         out += ["", f"### `{e['id']}` — {e['verdict']}", "",
                 f"- target `{e['target']}` (op {e['op']}, on_drift {e['on_drift']}, "
@@ -434,13 +478,20 @@ def _markdown(doc: dict[str, Any]) -> str:
             out += ["", "Subclasses that override it (a patch of the base class does not reach them):", ""]
             out += [f"- `{o['ref']}` (`{o['file']}:{o['line']}`, "
                     f"{'calls super' if o['calls_super'] else 'does not call super'})" for o in e["overrides"]]
+        if e["call_paths"]:
+            out += ["", "| caller | kind | sibling | patched | sibling when | target when |",
+                    "|---|---|---|---|---|---|"]
+            out += [f"| `{_md(p['caller'])}` (`{_md(p['file'])}:{p['line']}`) | {p['kind']}, {p['via']} | "
+                    f"`{p['sibling']}` | {'yes' if p['sibling_patched'] else '**no**'} | "
+                    f"`{_md(p['sibling_condition'])}` | `{_md(p['condition'])}` |" for p in e["call_paths"]]
         if e["diff"]:
             out += ["", "```diff", e["diff"].rstrip("\n"), "```"]
     if doc["problems"]:
         out += ["", "Problems:", ""] + [f"- {_md(p)}" for p in doc["problems"]]
     verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
     out += ["", f"**{s['entries']} entries** ({s['requirements']} requirements): "
-            f"{verdicts}; {s['uncovered_sites']} uncovered alias sites; callables that do not fit: "
+            f"{verdicts}; {s['uncovered_sites']} uncovered alias sites; {s['unpatched_siblings']} unpatched "
+            f"call-path siblings; callables that do not fit: "
             f"{', '.join(f'`{f}`' for f in s['misfits']) or 'none'}; failing: "
             f"{', '.join(f'`{f}`' for f in s['failing']) or 'none'} (exit {doc['exit_code']}). "
             f"Parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s{_cached_text(s)}."]
