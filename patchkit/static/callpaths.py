@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from patchkit.static.choices import Bind, Collector, IndentedImports, Text, names_bound_twice
+from patchkit.static.choices import Bind, Collector, IndentedImports, Text, candidates, names_bound_twice
 from patchkit.static.resolve import Definition, ModuleRef, Resolver
 from patchkit.static.sites import ImportIndex
 
@@ -155,9 +155,9 @@ def _collectors(resolver: Resolver, wanted: _Target) -> list[Collector]:
         if not isinstance(indented, IndentedImports):
             indented = resolver.extras["indented-imports"] = IndentedImports(resolver)
         index = ImportIndex.of(resolver)
-        needles = {wanted.head, *(m.rpartition(".")[2] for m in wanted.modules)}
-        for module in sorted(set().union(*(indented.containing(n.encode()) for n in needles))):
-            names = names_bound_twice(index, module, wanted.head, {m.rpartition(".")[2] for m in wanted.modules})
+        tokens = {m.rpartition(".")[2] for m in wanted.modules}
+        for module in candidates(indented, index, wanted.head, tokens):
+            names = names_bound_twice(index, module, wanted.head, tokens)
             if names:
                 collector = Collector(resolver, module, names)
                 collector.body(resolver.tree.parse(module).body, "", ())
