@@ -21,9 +21,10 @@ Exit codes: 0 nothing would fail; 1 an entry that is required with
 ``on_drift: fail`` is drifted, moved or missing (an ``op: set`` entry whose
 owner exists may create a missing attribute and does not fail), or an entry's callable does not fit
 its target (whatever ``required`` and ``on_drift`` say, as a wrapper that is installed breaks every
-call; unless ``on_drift: skip`` leaves a drifted target unpatched), or — with ``strict_call_paths``
-(``--strict-call-paths``) — a call path leads to a sibling no entry patches (by default such siblings are
-listed and counted in ``summary.unpatched_siblings`` only: docs/review.md says why); 2 bad input —
+call; unless ``on_drift: skip`` leaves a drifted target unpatched), or a call path leads to a sibling no
+entry patches from an entry with ``call_paths: fail`` (from any entry with ``strict_call_paths``,
+``--strict-call-paths``; by default such siblings are listed and counted in ``summary.unpatched_siblings``
+only: docs/review.md says why); 2 bad input —
 missing path, not a vLLM tree, corrupt wheel, invalid manifest, unknown format.
 For exit 2 the output is the error text (for an invalid manifest, the
 ``file:line: field: message`` lines); no input produces a traceback.
@@ -247,11 +248,12 @@ def _check_all(manifest: Manifest, tree: SourceTree, base: SourceTree | None, vl
     return [rows[i] for i in range(len(entries))], len(set(parsed)), len(entries) - len(todo), problems
 
 
-def _mark_siblings(rows: list[dict[str, Any]]) -> int:
+def _mark_siblings(rows: list[dict[str, Any]], entries: Sequence[Entry]) -> int:
     """Set each call path's ``sibling_patched`` (and each row's ``unpatched_siblings``) from every entry of the
     manifest: a sibling is patched when an entry that changes vLLM names it as its target or resolves to it.
-    Done after the rows are assembled, cached ones included, as it depends on the other entries. Returns the
-    number of unpatched siblings (each sibling counted once)."""
+    A row whose entry opts in (``call_paths: fail``) fails when one is not. Done after the rows are assembled,
+    cached ones included, as it depends on the other entries. Returns the number of unpatched siblings (each
+    sibling counted once)."""
     patched = set()
     for row in rows:
         if row["op"] != "require":
@@ -265,6 +267,9 @@ def _mark_siblings(rows: list[dict[str, Any]]) -> int:
             if not path["sibling_patched"]:
                 unpatched.add(path["sibling"])
         row["unpatched_siblings"] = sum(not p["sibling_patched"] for p in row["call_paths"])
+    for row, entry in zip(rows, entries, strict=True):
+        if row["unpatched_siblings"] and getattr(entry, "call_paths", "warn") == "fail":
+            row["fails"] = True
     return len(unpatched)
 
 
@@ -312,7 +317,7 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
     finally:
         if collecting:
             gc.enable()
-    unpatched = _mark_siblings(rows)
+    unpatched = _mark_siblings(rows, [*loaded.entries, *loaded.requires])
     code = 1 if any(row["fails"] for row in rows) or (strict_call_paths and unpatched) else 0
     doc = _header(loaded, tree, base)
     doc["entries"] = rows

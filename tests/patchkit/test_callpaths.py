@@ -256,6 +256,20 @@ def test_a_patched_sibling_is_not_flagged_cached_rows_included(tmp_path: Path, m
     assert [e["unpatched_siblings"] for e in doc["entries"]] == [0, 0]
 
 
+def test_an_entry_that_opts_in_fails_on_an_unpatched_sibling(tmp_path: Path) -> None:
+    root = write_tree(tmp_path / "tree", {**COMMON, "vllm/worker.py": BRANCH})
+    entry = {"id": "gpu", "target": GPU, "op": "wrap", "with": "afd_patches.x:f", "fingerprint": pinned(root, GPU),
+             "call_paths": "fail"}
+    manifest = write_manifest(tmp_path / "m.yaml", [entry])
+    code, out = run_check(manifest, str(root), fmt="json", use_cache=False)
+    doc = json.loads(out)
+    assert code == 1 and doc["summary"]["failing"] == ["gpu"] and doc["entries"][0]["verdict"] == "ok"
+    assert "[FAIL] gpu:" in run_check(manifest, str(root), use_cache=False)[1]
+    text = manifest.read_text().replace('"fail"', '"warn"')
+    manifest.write_text(text)
+    assert run_check(manifest, str(root), use_cache=False)[0] == 0
+
+
 @pytest.mark.vllm
 def test_the_034_cpu_worker_chooses_its_warmup_and_the_manifest_covers_both() -> None:
     from tests.patchkit.test_retarget import _wheel
