@@ -160,6 +160,7 @@ class Change(Entry):
     rebind: str | tuple[str, ...] = "auto"
     upstream: str | None = None
     retire_when: dict[str, Any] = field(default_factory=dict)
+    call_paths: str = "warn"  # patchkit check only: "fail" fails the entry on a call path to an unpatched sibling
 
     @property
     def op(self) -> str:

@@ -1,4 +1,6 @@
-"""The FFN role skips vLLM's scheduler-driven kernel warm-up: a wrapper of ``vllm.v1.worker.gpu.warmup.warmup_kernels``.
+"""The FFN role skips vLLM's scheduler-driven kernel warm-up: a wrapper of ``vllm.v1.worker.gpu.warmup.warmup_kernels``
+and of ``vllm.v1.worker.cpu.warmup.warmup_kernels`` (same parameters), which the CPU worker imports instead on a
+non-x86 CPU without Triton (``current_platform.uses_standalone_cpu_model_runner()``).
 
 vLLM's CPU worker ends ``compile_or_warm_up_model`` with ``warmup_kernels(model_runner, worker.execute_model,
 worker.sample_tokens)`` whenever ``kernel_config.enable_jit_warmup`` is on (its default): hand-built prefill and

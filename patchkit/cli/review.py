@@ -2,9 +2,10 @@
 
 ``add_commands(subparsers)`` registers:
 
-- ``check MANIFEST --vllm SRC [--base SRC] [--format text|markdown|json] [--no-cache]`` —
-  see ``patchkit.review.check``. SRC is ``installed``, a folder or a ``.whl``. Exit 0
-  nothing would fail, 1 a required entry would fail, 2 bad input.
+- ``check MANIFEST --vllm SRC [--base SRC] [--format text|markdown|json] [--no-cache]
+  [--strict-call-paths]`` — see ``patchkit.review.check``. SRC is ``installed``, a folder or a ``.whl``.
+  Exit 0 nothing would fail, 1 a required entry would fail (or, with ``--strict-call-paths``, a call
+  path leads to a sibling no entry patches), 2 bad input.
 - ``retarget MANIFEST --vllm SRC --out NEW [--version SPEC] [--commit SHA]
   [--reviewed FILE] [--base SRC]`` — see ``patchkit.review.retarget``. Exit 0 nothing needs a
   human, 1 entries flagged for review (NEW is written), 2 bad input.
@@ -45,7 +46,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from patchkit.review.check import run_check
 
     code, output = run_check(args.manifest, args.vllm, args.base, args.format, keep=KEEP,
-                             use_cache=not args.no_cache)
+                             use_cache=not args.no_cache, strict_call_paths=args.strict_call_paths)
     return _emit(code, output)
 
 
@@ -104,6 +105,9 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--no-cache", action="store_true",
                    help="judge every entry again (by default the rows of entries unchanged since the last check "
                         "of this manifest on the same trees are reused)")
+    p.add_argument("--strict-call-paths", action="store_true",
+                   help="exit 1 when a caller chooses between a patched target and a same-named sibling that no "
+                        "entry patches (by default such siblings are reported and counted only)")
     p.set_defaults(func=cmd_check)
 
     p = subparsers.add_parser(

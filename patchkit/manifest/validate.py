@@ -302,7 +302,7 @@ def _change(p: dict[str, Any], defaults: dict[str, Any], source: str) -> Change:
         "on_drift": p.get("on_drift", defaults.get("on_drift", "fail")),
         "required": p.get("required", defaults.get("required", True)),
         "why": p["why"], "upstream": p.get("upstream"), "retire_when": p.get("retire_when", {}),
-        "feature": p.get("feature"),
+        "feature": p.get("feature"), "call_paths": p.get("call_paths", "warn"),
     }
     if p["op"] == "scoped-rebind":
         return ScopedRebind(**common, namespace=p.get("module", p["target"].partition(":")[0]),

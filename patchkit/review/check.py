@@ -5,7 +5,9 @@
 signature``, ``drifted: body``, ``moved``, ``missing``), the pinned and found
 fingerprints, where the definition is, every alias site that binds the target
 and whether ``rebind`` covers it, the subclasses that override a method target,
-whether ``retire_when`` holds for the tree's version, and — given ``base_src``,
+whether ``retire_when`` holds for the tree's version, the call paths that choose between the target and
+a same-named sibling of another module (``patchkit.static.callpaths``; ``sibling_patched`` says whether an
+entry of the manifest patches that sibling), and — given ``base_src``,
 the tree the manifest was written against — a unified diff of each drifted or
 moved target. Requirements (``requires:``, entries with op ``require`` and id
 ``require:<target>``) get the same verdicts, judged by their ``pin``. A failing member of a ``feature``
@@ -19,7 +21,10 @@ Exit codes, from the verdict (``patchkit.judge``, the one the runtime applies): 
 any features refused that are not ``required``; 1 a member without a feature fails (a required entry with
 ``on_drift: fail`` drifted, moved or missing — an ``op: set`` whose owner exists may create a missing
 attribute —, or a callable that does not fit its target, whatever ``required`` says, unless ``on_drift: skip``
-leaves a drifted target unpatched), or a feature the manifest marks ``required`` is refused; 2 bad input —
+leaves a drifted target unpatched), or a feature the manifest marks ``required`` is refused, or a call path
+leads to a sibling no entry patches from an entry with ``call_paths: fail`` (from any entry with
+``--strict-call-paths``; by default such siblings are listed and counted in ``summary.unpatched_siblings``
+only: docs/review.md says why; call paths are a review gate, the runtime's verdict does not judge them); 2 bad input —
 missing path, not a vLLM tree, corrupt wheel, invalid manifest, unknown format.
 For exit 2 the output is the error text (for an invalid manifest, the
 ``file:line: field: message`` lines); no input produces a traceback.
@@ -47,7 +52,7 @@ from typing import Any
 from patchkit.judge import FAILING as _FAILING
 from patchkit.judge import assess, describe
 from patchkit.plan import Entry, Manifest, ManifestError
-from patchkit.review import forked
+from patchkit.review import check_text, forked
 from patchkit.review.check_cache import RowCache
 from patchkit.static import Resolver, SourceTree, TargetReport, TreeError, analyze, open_tree, source_segment
 from patchkit.static.signatures import Checker, Fit
@@ -87,6 +92,8 @@ class EntryCheck:
             "uncovered_sites": len(r.uncovered),
             "overrides": [{"ref": o.definition.ref, "file": o.file, "line": o.definition.first_line,
                            "calls_super": o.calls_super} for o in r.overrides],
+            "call_paths": [p.to_json() for p in r.call_paths],
+            "unpatched_siblings": len(r.call_paths),  # until ``_mark_siblings`` has seen every entry
             "retire": self.retire,
             "diff": self.diff,
             "signatures": [f.to_json() for f in self.signatures],
@@ -247,6 +254,31 @@ def verdict_of_rows(manifest: Manifest, rows: list[dict[str, Any]], tree: Source
     return Verdict(manifest.file, describe(tree), members, manifest.features)
 
 
+def _mark_siblings(rows: list[dict[str, Any]], entries: Sequence[Entry]) -> int:
+    """Set each call path's ``sibling_patched`` (and each row's ``unpatched_siblings``) from every entry of the
+    manifest: a sibling is patched when an entry that changes vLLM names it as its target or resolves to it.
+    A row whose entry opts in (``call_paths: fail``) fails when one is not. Done after the rows are assembled,
+    cached ones included, as it depends on the other entries. Returns the number of unpatched siblings (each
+    sibling counted once)."""
+    patched = set()
+    for row in rows:
+        if row["op"] != "require":
+            patched.add(row["target"])
+            if row["definition"]:
+                patched.add(row["definition"]["ref"])
+    unpatched = set()
+    for row in rows:
+        for path in row["call_paths"]:
+            path["sibling_patched"] = path["sibling"] in patched
+            if not path["sibling_patched"]:
+                unpatched.add(path["sibling"])
+        row["unpatched_siblings"] = sum(not p["sibling_patched"] for p in row["call_paths"])
+    for row, entry in zip(rows, entries, strict=True):
+        if row["unpatched_siblings"] and getattr(entry, "call_paths", "warn") == "fail":
+            row["fails"] = True
+    return len(unpatched)
+
+
 def _header(manifest: Manifest, tree: SourceTree, base: SourceTree | None) -> dict[str, Any]:
     return {
         "manifest": manifest.file,
@@ -258,13 +290,15 @@ def _header(manifest: Manifest, tree: SourceTree, base: SourceTree | None) -> di
 
 
 def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = None,
-              fmt: str = "text", keep: list[object] | None = None, use_cache: bool = True) -> tuple[int, str]:
+              fmt: str = "text", keep: list[object] | None = None, use_cache: bool = True,
+              strict_call_paths: bool = False) -> tuple[int, str]:
     """Check a manifest against a tree; ``(exit_code, output)`` as described in the module docstring.
 
     ``keep``, when given, receives the parsed trees instead of their being freed on return (the
     command line passes a list that lives until it exits without freeing them). ``use_cache``: reuse
     and store the rows of entries unchanged since the last check on the same trees
-    (``patchkit.review.check_cache``)."""
+    (``patchkit.review.check_cache``). ``strict_call_paths``: a call path to a sibling no entry patches
+    makes the exit code 1 (default: it is reported and counted only)."""
     from patchkit import manifest as manifest_mod
 
     if fmt not in FORMATS:
@@ -289,8 +323,10 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
     finally:
         if collecting:
             gc.enable()
+    unpatched = _mark_siblings(rows, [*loaded.entries, *loaded.requires])
     verdict = verdict_of_rows(loaded, rows, tree)
-    code = 0 if verdict.holds and not set(verdict.refused) & set(loaded.required_features) else 1
+    holds = verdict.holds and not set(verdict.refused) & set(loaded.required_features)
+    code = 0 if holds and not (strict_call_paths and unpatched) else 1
     doc = _header(loaded, tree, base)
     doc["entries"] = rows
     doc["problems"] = problems
@@ -302,152 +338,10 @@ def run_check(manifest_path: str | Path, vllm_src: str, base_src: str | None = N
                       "verdicts": counts, "failing": [row["id"] for row in rows if row["fails"]],
                       "misfits": [row["id"] for row in rows if any(f["fits"] is False for f in row["signatures"])],
                       "uncovered_sites": sum(row["uncovered_sites"] for row in rows),
+                      "unpatched_siblings": unpatched,
                       "modules": len(tree.modules), "parsed": parsed, "cached": cached,
                       "seconds": round(time.perf_counter() - started, 3)}
     doc["exit_code"] = code
     if fmt == "json":
         return code, json.dumps(doc, indent=2)
-    return code, (_markdown(doc) if fmt == "markdown" else _text(doc))
-
-
-def _cached_text(summary: dict[str, Any]) -> str:
-    n = summary["cached"]
-    return f" ({n} of {summary['entries']} entries unchanged since the last check: from the cache)" if n else ""
-
-
-def _pin_line(doc: dict[str, Any]) -> str:
-    v = doc["vllm"]
-    selected = {True: "selects it", False: "does NOT select it", None: "cannot tell (version unknown)"}
-    return (f"vLLM {v['version'] or 'unknown version'} from {v['source']}; manifest pin vllm{doc['manifest_vllm']} "
-            f"{selected[v['selected_by_manifest']]}")
-
-
-def _retire_text(retire: dict[str, Any] | None) -> str | None:
-    if retire is None:
-        return None
-    met = {True: "MET: delete this entry", False: "not met", None: "unknown (tree version unknown)"}[retire["met"]]
-    return f"retire_when vllm{retire['vllm']}: {met}"
-
-
-def _text(doc: dict[str, Any]) -> str:
-    out = [f"patchkit check {doc['manifest']}", _pin_line(doc)]
-    if doc["base"]:
-        out.append(f"base: vLLM {doc['base']['version'] or 'unknown version'} from {doc['base']['source']}")
-    for e in doc["entries"]:
-        flag = ("FAIL" if e["fails"] else "feature-off" if e["refuses_feature"]
-                else "ok" if e["verdict"] == "ok" else "warn")
-        out.append("")
-        feature = f", feature {e['feature']}" if e["feature"] else ""
-        subject = (f"requires {e['target']} (pin {e['pin']}{feature})" if e["op"] == "require"
-                   else f"{e['id']}: {e['target']}")
-        out.append(f"[{flag}] {subject} -> {e['verdict']}")
-        fp = e["fingerprint"]
-        out.append(f"    fingerprint pinned {fp['pinned'] or '-'} found {fp['found'] or '-'}")
-        if e["definition"]:
-            out.append(f"    at {e['definition']['file']}:{e['definition']['line']}")
-        for c in e["candidates"]:
-            out.append(f"    candidate: {c}")
-        out.extend(f"    note: {n}" for n in e["notes"])
-        if e["alias_sites"]:
-            out.append(f"    alias sites: {len(e['alias_sites'])} ({e['uncovered_sites']} not covered)")
-            for s in e["alias_sites"]:
-                mark = "covered  " if s["covered"] else "UNCOVERED"
-                out.append(f"      {mark} {s['file']}:{s['line']} {s['kind']} {s['bound']} from {s['source']}"
-                           f" - {s['note']}")
-        if e["overrides"]:
-            out.append(f"    overridden in {len(e['overrides'])} subclasses (a patch of the base never runs there):")
-            for o in e["overrides"]:
-                sup = "calls super" if o["calls_super"] else "does not call super"
-                out.append(f"      {o['ref']} ({o['file']}:{o['line']}, {sup})")
-        out.extend(f"    {line}" for line in _signature_lines(e))
-        retire = _retire_text(e["retire"])
-        if retire:
-            out.append(f"    {retire}")
-        if e["diff"]:
-            out.append("    diff (base -> new):")
-            out.extend("      " + line for line in e["diff"].rstrip("\n").split("\n"))
-    for p in doc["problems"]:
-        out.append(f"problem: {p}")
-    s = doc["summary"]
-    verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
-    out.append("")
-    out.extend(f"feature {name} refused on this tree (the plugin runs without it): {', '.join(ids)}"
-               for name, ids in s["features_refused"].items())
-    out.append(f"{s['entries']} entries ({s['requirements']} requirements): {verdicts}; "
-               f"{s['uncovered_sites']} uncovered alias sites; callables that do not fit: "
-               f"{', '.join(s['misfits']) or 'none'}; failing: {', '.join(s['failing']) or 'none'} "
-               f"(exit {doc['exit_code']})")
-    out.append(f"parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s{_cached_text(s)}")
-    return "\n".join(out) + "\n"
-
-
-def _signature_lines(e: dict[str, Any]) -> list[str]:
-    """What the text and Markdown outputs say of one entry's callables: one line per callable that
-    fits or was not compared; for one that does not fit, where the entry is, both signatures and
-    each parameter's problem."""
-    out = []
-    for f in e["signatures"]:
-        if f["fits"]:
-            out.append(f"{f['role']} {f['callable']} fits the target")
-        elif f["fits"] is None:
-            out.append(f"{f['role']} {f['callable']}: {f['note']}")
-        else:
-            out.append(f"SIGNATURE MISMATCH at {e['source']} (entry {e['id']}): {f['role']} {f['callable']} "
-                       "does not accept every call of the target")
-            out.append(f"  target:   {f['target_signature']}")
-            out.append(f"  callable: {f['callable_signature']}")
-            out.extend(f"  {p['parameter']}: {p['message']}" for p in f["problems"])
-    return out
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def _markdown(doc: dict[str, Any]) -> str:
-    s = doc["summary"]
-    out = [f"## patchkit check: `{doc['manifest']}`", "", _pin_line(doc) + "", ""]
-    if doc["base"]:
-        out += [f"Base: vLLM {doc['base']['version'] or 'unknown version'} from `{doc['base']['source']}`", ""]
-    out += ["| entry | target | verdict | fails | uncovered aliases | overriding subclasses | retire |",
-            "|---|---|---|---|---|---|---|"]
-    for e in doc["entries"]:
-        retire = _retire_text(e["retire"]) or ""
-        fails = "**yes**" if e["fails"] else f"refuses `{e['refuses_feature']}`" if e["refuses_feature"] else "no"
-        out.append(f"| `{e['id']}` | `{e['target']}` | {e['verdict']} | {fails} | "
-                   f"{e['uncovered_sites']} | {len(e['overrides'])} | {_md(retire)} |")
-    for e in doc["entries"]:
-        out += ["", f"### `{e['id']}` — {e['verdict']}", "",
-                f"- target `{e['target']}` (op {e['op']}, on_drift {e['on_drift']}, "
-                f"{'required' if e['required'] else 'optional'})",
-                f"- fingerprint pinned `{e['fingerprint']['pinned'] or '-'}`, "
-                f"found `{e['fingerprint']['found'] or '-'}`"]
-        if e["definition"]:
-            out.append(f"- defined at `{e['definition']['file']}:{e['definition']['line']}`")
-        out += [f"- candidate `{c}`" for c in e["candidates"]]
-        out += [f"- note: {_md(n)}" for n in e["notes"]]
-        if any(f["fits"] is False for f in e["signatures"]):
-            out += ["", "```", *_signature_lines(e), "```"]
-        else:
-            out += [f"- {_md(line)}" for line in _signature_lines(e)]
-        if e["alias_sites"]:
-            out += ["", "| site | kind | binds | from | covered | why |", "|---|---|---|---|---|---|"]
-            out += [f"| `{_md(a['file'])}:{a['line']}` | {a['kind']} | `{a['bound']}` | `{a['source']}` | "
-                    f"{'yes' if a['covered'] else '**no**'} | {_md(a['note'])} |" for a in e["alias_sites"]]
-        if e["overrides"]:
-            out += ["", "Subclasses that override it (a patch of the base class does not reach them):", ""]
-            out += [f"- `{o['ref']}` (`{o['file']}:{o['line']}`, "
-                    f"{'calls super' if o['calls_super'] else 'does not call super'})" for o in e["overrides"]]
-        if e["diff"]:
-            out += ["", "```diff", e["diff"].rstrip("\n"), "```"]
-    if doc["problems"]:
-        out += ["", "Problems:", ""] + [f"- {_md(p)}" for p in doc["problems"]]
-    verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s["verdicts"].items())) or "no entries"
-    out += ["", f"**{s['entries']} entries** ({s['requirements']} requirements): "
-            f"{verdicts}; {s['uncovered_sites']} uncovered alias sites; callables that do not fit: "
-            f"{', '.join(f'`{f}`' for f in s['misfits']) or 'none'}; failing: "
-            f"{', '.join(f'`{f}`' for f in s['failing']) or 'none'} (exit {doc['exit_code']}). "
-            f"Parsed {s['parsed']} of {s['modules']} modules in {s['seconds']:.2f} s{_cached_text(s)}."]
-    out += [f"Feature `{name}` refused on this tree (the plugin runs without it): "
-            f"{', '.join(f'`{i}`' for i in ids)}." for name, ids in s["features_refused"].items()]
-    return "\n".join(out) + "\n"
+    return code, (check_text.markdown(doc) if fmt == "markdown" else check_text.text(doc))

@@ -56,6 +56,21 @@ class Override(_Strict):
     calls_super: bool
 
 
+class CallPath(_Strict):
+    """A caller that chooses, by a condition, between the target and a same-named object of another module."""
+
+    caller: Annotated[str, msgspec.Meta(description="module:qualname of the function (or the module) that chooses")]
+    file: str
+    line: Annotated[int, msgspec.Meta(description="the if/try that chooses, or the function-local import")]
+    kind: Literal["if-branch", "try-except", "global-vs-local"]
+    via: Literal["from-import", "module-alias"]
+    condition: Annotated[str, msgspec.Meta(description="when the target is chosen, in the source's words")]
+    sibling_condition: Annotated[str, msgspec.Meta(description="when the sibling is chosen")]
+    chosen: Annotated[str, msgspec.Meta(description="the entry's target")]
+    sibling: Annotated[str, msgspec.Meta(description="module:qualname of the other object")]
+    sibling_patched: Annotated[bool, msgspec.Meta(description="whether an entry of the manifest patches it")]
+
+
 class Retire(_Strict):
     """The entry's ``retire_when`` and whether the tree meets it (None: its version is unknown)."""
 
@@ -105,6 +120,8 @@ class Row(_Strict):
     alias_sites: list[AliasSite]
     uncovered_sites: Annotated[int, msgspec.Meta(ge=0)]
     overrides: list[Override]
+    call_paths: list[CallPath]
+    unpatched_siblings: Annotated[int, msgspec.Meta(ge=0, description="call paths to a sibling no entry patches")]
     retire: Retire | None
     diff: Annotated[str | None, msgspec.Meta(description="unified diff of a drifted target against --base")]
     signatures: list[Fit]

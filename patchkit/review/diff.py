@@ -55,7 +55,7 @@ from patchkit.plan import Change as Entry  # diff.py has a Change of its own: a 
 
 FORMATS = ("text", "markdown", "json")
 _ENTRY_FIELDS = ("target", "op", "with", "value", "module", "bind", "active_if", "when", "after", "fingerprint",
-                 "rebind", "on_drift", "required", "why", "upstream", "retire_when", "reviewed")
+                 "rebind", "on_drift", "required", "why", "upstream", "retire_when", "call_paths", "reviewed")
 _REQUIRE_FIELDS = ("pin", "fingerprint", "on_drift", "indirect", "feature", "why", "reviewed")
 _WORKER_FIELDS = ("at", "fingerprint", "after", "on_drift", "role_of", "overrides", "reviewed")
 _NULL_DEVICE = "/dev/null"
@@ -105,7 +105,7 @@ def _entry_view(e: Entry) -> dict[str, Any]:
         "when": e.when, "after": list(e.after), "fingerprint": e.fingerprint,
         "rebind": list(e.rebind) if isinstance(e.rebind, tuple) else e.rebind, "on_drift": e.on_drift,
         "required": e.required, "why": e.why, "upstream": e.upstream, "retire_when": e.retire_when,
-        "reviewed": e.reviewed,
+        "call_paths": e.call_paths, "reviewed": e.reviewed,
     }
 
 

@@ -9,6 +9,8 @@ Public API:
   (subclasses that define a method themselves);
 - ``alias_sites(...)`` — every import that binds a module-level target, with
   whether the entry's ``rebind`` scope covers it;
+- ``call_paths(resolver, target)`` — callers that choose, by a condition, between the
+  target and a same-named object of another module (``patchkit.static.callpaths``);
 - ``analyze(tree, entry, packages)`` → ``TargetReport``: all of the above for one
   manifest entry, the verdict included.
 
@@ -24,11 +26,12 @@ every file.
 from __future__ import annotations
 
 from patchkit.static.analyze import TargetReport, analyze
+from patchkit.static.callpaths import CallPath, call_paths
 from patchkit.static.resolve import Definition, ModuleRef, Override, Resolution, Resolver, source_segment
 from patchkit.static.sites import AliasSite, alias_sites
 from patchkit.static.tree import SourceTree, TreeError, open_tree
 
 __all__ = [
-    "AliasSite", "Definition", "ModuleRef", "Override", "Resolution", "Resolver", "SourceTree",
-    "TargetReport", "TreeError", "alias_sites", "analyze", "open_tree", "source_segment",
+    "AliasSite", "CallPath", "Definition", "ModuleRef", "Override", "Resolution", "Resolver", "SourceTree",
+    "TargetReport", "TreeError", "alias_sites", "analyze", "call_paths", "open_tree", "source_segment",
 ]

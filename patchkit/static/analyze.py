@@ -1,4 +1,4 @@
-"""One manifest entry against one tree: verdict, fingerprints, alias sites, overriding subclasses.
+"""One manifest entry against one tree: verdict, fingerprints, alias sites, overriding subclasses, call paths.
 
 Verdicts:
 
@@ -13,7 +13,8 @@ Verdicts:
 The alias-site and override lists follow ``patchkit.runtime.rebind`` and
 ``patchkit.runtime.targets``: only module-level targets have from-import aliases that
 rebinding can reach; only methods have overriding subclasses that a patch of the
-base class never reaches.
+base class never reaches. Call paths (``patchkit.static.callpaths``) are looked for on every entry that
+changes vLLM (not on requirements: nothing is patched there).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from patchkit import fingerprint
 from patchkit.plan import Entry, ScopedRebind
 from patchkit.runtime import rebind
+from patchkit.static.callpaths import CallPath, call_paths
 from patchkit.static.resolve import Definition, Override, Resolution, Resolver
 from patchkit.static.sites import AliasSite, alias_sites
 
@@ -44,6 +46,7 @@ class TargetReport:
     notes: list[str] = field(default_factory=list)
     sites: list[AliasSite] = field(default_factory=list)
     overrides: list[Override] = field(default_factory=list)
+    call_paths: list[CallPath] = field(default_factory=list)
 
     @property
     def uncovered(self) -> list[AliasSite]:
@@ -137,4 +140,5 @@ def analyze(resolver: Resolver, entry: Entry, packages: tuple[str, ...], details
     elif (isinstance(resolution.owner, Definition) and isinstance(resolution.owner.node, ast.ClassDef)
           and definition.kind == "function"):
         report.overrides = resolver.overrides(resolution.owner, parts[-1])
+    report.call_paths = call_paths(resolver, entry.target)
     return report

@@ -52,5 +52,10 @@ def test_only_the_034_manifest_carries_the_entry_on_cpu_only() -> None:
     assert entry.target == "vllm.v1.worker.gpu.warmup:warmup_kernels" and entry.op == "wrap"
     assert entry.when == {"platform": ["cpu"]}  # the CUDA FFN worker overrides compile_or_warm_up_model
     assert "afd.micro-batch-steps" not in {e.id for e in by_release["0.34.0"].entries}  # its module is gone in 0.34
+    # the CPU worker imports the standalone runner's warmup_kernels instead on a non-x86 CPU without Triton
+    # (a call path patchkit check lists): it is wrapped the same way
+    standalone = next(e for e in by_release["0.34.0"].entries if e.id == "afd.ffn-skips-jit-warmup-standalone")
+    assert standalone.target == "vllm.v1.worker.cpu.warmup:warmup_kernels" and standalone.op == "wrap"
+    assert (standalone.with_, standalone.when) == (entry.with_, entry.when)
     assert all("afd.ffn-skips-jit-warmup" not in {e.id for e in m.entries}
                for v, m in by_release.items() if v != "0.34.0")

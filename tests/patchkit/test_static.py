@@ -571,11 +571,12 @@ def test_markdown_and_text_outputs(manifest: Path, trees: tuple[Path, Path]) -> 
     assert code == 1
     assert "| entry | target | verdict |" in md and "```diff" in md
     lines = md.splitlines()
-    top = lines.index("| entry | target | verdict | fails | uncovered aliases | overriding subclasses | retire |")
+    top = lines.index("| entry | target | verdict | fails | uncovered aliases | overriding subclasses | "
+                      "unpatched siblings | retire |")
     rows = lines[top + 2: top + 2 + 12]
     assert [r.split("|")[1].strip() for r in rows] == [f"`{e['id']}`" for e in json.loads(
         run_check(manifest, str(new), None, "json")[1])["entries"]]
-    assert all(r.count("|") == 8 for r in rows)
+    assert all(r.count("|") == 9 for r in rows)
     code, text = run_check(manifest, str(new), None, "text")
     assert code == 1 and "[FAIL] helper" in text and "drifted: signature" in text
     assert "vllm.worker.cpu:CPUWorker.init_device" in text
