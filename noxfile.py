@@ -46,6 +46,7 @@ RELEASES = [v for v in manifest_releases() if v not in NO_CPU_BUILD]
 SMOKE = [
     "tests/integration/test_afd_e2e.py::test_afd_1a1f_matches_plain_vllm[llama-batched]",
     "tests/integration/test_afd_e2e.py::test_afd_2a1f_matches_plain_vllm[qwen3_moe-batched]",
+    "tests/integration/test_vllm_plugin.py::test_every_process_reports_the_same_plan",
     "tests/integration/test_vllm_plugin.py::test_without_plugin_no_report_and_same_tokens",
     "tests/integration/test_requirements_runtime.py::test_this_release_refuses_exactly_the_features_its_check_refuses",
 ]

