@@ -349,7 +349,7 @@ class Runtime:
         self.python = python or _platform_module.python_version()
         self.platform_probe = platform_probe
         self._platform = _platform
-        self.tree = tree  # the vLLM source the verdict judges ("installed", a folder); None: no verdict
+        self.tree = tree  # the vLLM package folder the verdict judges (part of the plan key); None: no verdict
 
     def __repr__(self) -> str:
         return f"Runtime(vllm={self.vllm_version}, commit={self.vllm_commit}, python={self.python}, tree={self.tree})"
@@ -376,8 +376,9 @@ class Runtime:
             commit = None
         version = getattr(vllm, "__version__", None)
         commit = normalize_commit(commit) if isinstance(commit, str) else None
+        folder = os.path.dirname(getattr(vllm, "__file__", None) or "") or None  # the one this process imports
         return cls(version if isinstance(version, str) else None, commit, platform_probe=_vllm_platform,
-                   tree="installed")
+                   tree=folder)
 
 
 def normalize_commit(value: str) -> str | None:
