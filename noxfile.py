@@ -49,6 +49,7 @@ SMOKE = [
     "tests/integration/test_vllm_plugin.py::test_every_process_reports_the_same_plan",
     "tests/integration/test_vllm_plugin.py::test_without_plugin_no_report_and_same_tokens",
     "tests/integration/test_requirements_runtime.py::test_this_release_refuses_exactly_the_features_its_check_refuses",
+    "tests/integration/test_requirements_runtime.py::test_retargeting_the_reference_manifest_here_refuses_by_feature",
 ]
 TEST_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 _PIP_TO_UV = {"find-links": "UV_FIND_LINKS", "extra-index-url": "UV_EXTRA_INDEX_URL", "index-url": "UV_INDEX_URL",

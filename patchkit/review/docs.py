@@ -182,7 +182,9 @@ def _model_section(manifests: list[_Loaded]) -> list[str]:
     out = ["### Models", ""]
     if not by_arch:
         return [*out, "None.", ""]
-    out += ["| architecture | class | guards | releases | why |", "|---|---|---|---|---|"]
+    out += ["The releases whose manifests declare each registration; on a given vLLM tree the verdict leaves out "
+            "those of a refused feature (`patchkit check` lists them under \"features refused\").", "",
+            "| architecture | class | guards | releases | why |", "|---|---|---|---|---|"]
     for arch, items in by_arch.items():
         for view, where in _variants(items):
             out.append(f"| `{arch}` | `{view['class']}` | {_when(view['when'])} | {_releases(where)} | "

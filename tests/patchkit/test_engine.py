@@ -579,6 +579,15 @@ patches:
     (reports / "testplug-1.json").write_text(json.dumps({**data, "pid": 1, "digest": "other"}))
     assert cli.main(["report", str(reports)]) == 1
     assert "MISMATCH" in capsys.readouterr().out
+    # the same plan, but another verdict, or another member left out by it: not one verdict
+    verdict = {"holds": True, "features_refused": {"micro": ["loud"]}, "plugin_failures": [], "digest": "v2"}
+    (reports / "testplug-1.json").write_text(json.dumps({**data, "pid": 1, "verdict": verdict}))
+    assert cli.main(["report", str(reports)]) == 1
+    assert "different verdicts" in capsys.readouterr().out
+    off = [{**data["entries"][0], "outcome": "feature-off"}]
+    (reports / "testplug-1.json").write_text(json.dumps({**data, "pid": 1, "entries": off}))
+    assert cli.main(["report", str(reports)]) == 1
+    assert "the verdict's outcomes differ between processes: none; loud: feature-off" in capsys.readouterr().out
 
 
 def test_a_noted_fact_goes_into_the_report(victim, manifest_dir, runtime, tmp_path, monkeypatch, capsys):
