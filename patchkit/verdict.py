@@ -54,13 +54,14 @@ class Verdict:
     ``tree``: what was judged (for messages); ``inputs``: (path, size, mtime_ns) of what was read, size -1 for
     a path that must stay absent."""
 
-    __slots__ = ("features", "inputs", "manifest", "members", "tree")
+    __slots__ = ("_refused", "features", "inputs", "manifest", "members", "tree")
 
     def __init__(self, manifest: str, tree: str, members: tuple[Member, ...], features: dict[str, str] | None = None,
                  inputs: tuple[tuple[str, int, int], ...] = ()) -> None:
         self.manifest, self.tree, self.members = manifest, tree, members
         self.features = dict(features or {})
         self.inputs = inputs
+        self._refused: dict[str, list[str]] | None = None  # computed once (``refused``): read per member at start
 
     def __repr__(self) -> str:
         return f"Verdict({os.path.basename(self.manifest)!r}, holds={self.holds}, refused={sorted(self.refused)})"
@@ -69,11 +70,13 @@ class Verdict:
     @property
     def refused(self) -> dict[str, list[str]]:
         """Each refused feature → the ids of its failing members (file order)."""
-        out: dict[str, list[str]] = {}
-        for m in self.members:
-            if m.fails and m.feature is not None:
-                out.setdefault(m.feature, []).append(m.id)
-        return out
+        if self._refused is None:
+            out: dict[str, list[str]] = {}
+            for m in self.members:
+                if m.fails and m.feature is not None:
+                    out.setdefault(m.feature, []).append(m.id)
+            self._refused = out
+        return self._refused
 
     @property
     def plugin_failures(self) -> list[Member]:
@@ -87,7 +90,7 @@ class Verdict:
 
     def off(self, feature: str | None) -> bool:
         """Whether members of ``feature`` are left out (``None``: the plugin's own members: never)."""
-        return feature is not None and any(m.fails and m.feature == feature for m in self.members)
+        return feature is not None and feature in self.refused
 
     def member(self, member_id: str) -> Member | None:
         return next((m for m in self.members if m.id == member_id), None)

@@ -127,7 +127,7 @@ class Run:
         if verdict is not None and not verdict.holds:
             self._refuse(verdict.refusal() or "")
         if verdict is not None and verdict.refused:
-            _vllm_log(self.plugin).warning(
+            _vllm_log(self.plugin).info(
                 "%s: features refused on %s (the rest runs; `patchkit check` names why): %s", self.plugin,
                 verdict.tree, ", ".join(sorted(verdict.refused)))
         with self._lock:
