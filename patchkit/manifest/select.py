@@ -60,8 +60,8 @@ def compile_plan(files: list[str] | list[Path], runtime: Runtime) -> Compiled:
 
 
 def judged(manifest: Manifest, tree_spec: str) -> Verdict:
-    """``patchkit.judge.judge`` of ``manifest`` against the tree ``tree_spec`` names. A tree that cannot be read
-    gives a verdict that refuses the plugin, naming why (never one that holds unjudged)."""
+    """``patchkit.judge.judge`` of ``manifest`` against the tree ``tree_spec`` names. A tree that cannot be read,
+    or a judge that fails, gives a verdict that refuses the plugin, naming why (never one that holds unjudged)."""
     from patchkit.judge import judge
     from patchkit.static import TreeError, open_tree
 
@@ -69,9 +69,11 @@ def judged(manifest: Manifest, tree_spec: str) -> Verdict:
         return judge(manifest, open_tree(tree_spec))
     except (TreeError, RecursionError, OSError) as exc:
         why = "a source file nests too deeply" if isinstance(exc, RecursionError) else str(exc)
-        unread = Member("vllm-tree", "tree", tree_spec, "unreadable", True, None,
-                        f"the vLLM tree cannot be read: {why}")
-        return Verdict(manifest.file, f"vLLM tree {tree_spec!r}", (unread,), manifest.features)
+        reason = f"the vLLM tree cannot be read: {why}"
+    except Exception as exc:  # noqa: BLE001 - the hook must not raise: refuse, naming the cause
+        reason = f"the judge failed on this tree: {exc!r} (a patchkit bug: please report it)"
+    unread = Member("vllm-tree", "tree", tree_spec, "unreadable", True, None, reason)
+    return Verdict(manifest.file, f"vLLM tree {tree_spec!r}", (unread,), manifest.features)
 
 
 def select(manifests: list[Manifest], runtime: Runtime) -> Manifest:
