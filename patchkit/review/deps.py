@@ -20,7 +20,8 @@ manifest, resolver)`` matches them against the manifest's ``requires:``: a
 symbol is covered by a requirement on itself, on a member of it
 (``LlamaMLP`` by ``LlamaMLP.__init__``) or, with pin ``full``, on the class
 that defines it (``LlamaForCausalLM.forward`` by ``LlamaForCausalLM``); a requirement no symbol matches is
-"no longer used" unless it says ``indirect: true``.
+"no longer used" unless it says ``indirect: true``, or it belongs to a feature and the tree lacks it (the
+verdict refuses that feature there; the plugin's uses of it cannot resolve).
 
 ``run_deps`` is the command: exit 0 complete, 1 a symbol is undeclared or a
 requirement unused, 2 bad input. ``--suggest`` prints YAML for the undeclared
@@ -316,8 +317,15 @@ def compare(symbols: dict[str, Symbol], manifest: Manifest, resolver: Resolver) 
         return (req == sym or req.startswith(sym + ".")
                 or (declared[req].pin == "full" and sym.startswith(req + ".")))
 
+    def refused_here(r: Entry) -> bool:
+        """A feature's requirement this tree lacks: the verdict refuses that feature here, and the plugin's uses
+        of the symbol cannot resolve in a tree without it, so it is not "unused"."""
+        found = resolver.resolve_target(r.target)
+        return r.feature is not None and found.definition is None and found.inherited is None
+
     missing = [s for ref, s in sorted(symbols.items()) if not any(covers(d, ref) for d in declared)]
-    unused = [r for d, r in declared.items() if not r.indirect and not any(covers(d, s) for s in symbols)]
+    unused = [r for d, r in declared.items()
+              if not r.indirect and not any(covers(d, s) for s in symbols) and not refused_here(r)]
     return Coverage(symbols, declared, missing, unused)
 
 

