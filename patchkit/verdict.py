@@ -92,9 +92,6 @@ class Verdict:
         """Whether members of ``feature`` are left out (``None``: the plugin's own members: never)."""
         return feature is not None and feature in self.refused
 
-    def member(self, member_id: str) -> Member | None:
-        return next((m for m in self.members if m.id == member_id), None)
-
     def refusal(self, feature: str | None = None) -> str | None:
         """The words that refuse ``feature`` (``None``: the plugin), or None when it is not refused: which
         members fail and why, and, for a feature, how to run without it (the manifest's ``features``). A feature

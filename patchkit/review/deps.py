@@ -46,7 +46,7 @@ from typing import Any
 
 from patchkit.plan import Entry, Manifest
 from patchkit.static import Definition, Resolver
-from patchkit.static.tree import PACKAGE
+from patchkit.static.tree import in_package
 
 KINDS = ("subclass", "construct", "call", "member", "inherited", "import")  # strongest use first
 _PIN = {"subclass": "full", "construct": "signature", "call": "signature"}
@@ -97,14 +97,14 @@ class _ModuleScan(ast.NodeVisitor):
 
     def collect_imports(self, tree: ast.Module) -> None:
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and _is_target(node.module):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and in_package(node.module):
                 for a in node.names:
                     if a.name != "*":
                         self.aliases[a.asname or a.name] = (node.module, a.name)
                         self.add(node.module, [a.name], "import", node.lineno)
             elif isinstance(node, ast.Import):
                 for a in node.names:
-                    if _is_target(a.name):
+                    if in_package(a.name):
                         bound = a.asname or a.name.split(".")[0]
                         self.aliases[bound] = (a.name if a.asname else a.name.split(".")[0], None)
 
@@ -166,10 +166,6 @@ class _ModuleScan(ast.NodeVisitor):
     def visit_Name(self, node: ast.Name) -> None:
         if isinstance(node.ctx, ast.Load):
             self.use(node, "import")
-
-
-def _is_target(module: str) -> bool:
-    return module == PACKAGE or module.startswith(PACKAGE + ".")
 
 
 def _self_members(cls: ast.ClassDef) -> set[tuple[str, int, bool, bool]]:

@@ -48,6 +48,11 @@ _VERSION_LINE = re.compile(r"^Version:\s*(\S+)\s*$", re.M)
 RACY_S = 2.0  # a folder file modified this recently gives its tree no identity
 
 
+def in_package(module: str) -> bool:
+    """Whether the dotted ``module`` is the ``vllm`` package or lies inside it (what a tree models)."""
+    return module == PACKAGE or module.startswith(PACKAGE + ".")
+
+
 class TreeError(PatchkitError):
     """The given vLLM source cannot be read: missing, not a vLLM tree, or a corrupt wheel."""
 
@@ -109,7 +114,7 @@ class SourceTree:
 
     def has_module(self, module: str) -> bool:
         found = module in self._files
-        if not found and (module == PACKAGE or module.startswith(PACKAGE + ".")):
+        if not found and in_package(module):
             self._absent.add(module)
         return found
 
