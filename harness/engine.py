@@ -24,7 +24,9 @@ attention rank), ``again_after_s`` (idle that long after generating, then genera
 ``generated_flag`` (a file created once the first generation is done), ``done_flag`` (a file created once generation
 is done) and ``wait_for`` (files that must exist before this rank closes its connector, e.g. to keep an idle rank up
 while a busy one works), ``runner`` (``mrv2``: vLLM's Model Runner V2, run under Triton's interpreter with the
-test-only stand-in CPU backend of ``harness.triton_cpu``; default: the runner vLLM picks, V1 on this CPU build).
+test-only stand-in CPU backend of ``harness.triton_cpu``; default: the runner vLLM picks, V1 on this CPU build),
+``afd_manifest_dir`` (a folder of afd manifests the plugin's hook reads instead of the checkout's, e.g. one holding
+a retargeted file; one-process engines only, as only this process's ``afd_patches.manifest_dir`` is replaced).
 Writes ``{"tokens", "logprobs", "stats", "seconds", "worker_cls", "model_runner"}`` (the kind and class of the
 worker's model runner; one-process engines only, ``multiprocessing`` off). Each engine process
 runs in ``harness.env.vllm_env`` with
@@ -239,6 +241,13 @@ def _wait_for_files(paths: list[str], timeout_s: float) -> None:
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("afd_manifest_dir"):
+        if spec.get("multiprocessing", False):
+            raise ValueError("afd_manifest_dir: one-process engines only (a worker process would read the checkout's)")
+        import afd_patches
+
+        folder = Path(spec["afd_manifest_dir"])
+        afd_patches.manifest_dir = lambda: folder  # register_afd looks it up when vLLM calls the hook
     from vllm import LLM
 
     from harness.tiny_model import register_configs

