@@ -117,7 +117,7 @@ def _rss_mib(pid: int) -> float:
 # --------------------------------------------------------------------------- tests
 def test_every_listening_socket_of_a_gloo_group_is_on_the_configured_host() -> None:
     """gloo's pair listeners bind ``host`` as the store does (before: what the machine's name resolved to,
-    127.0.0.1 here, where any local program could reach them); nothing answers on 127.0.0.1 at their ports."""
+    127.0.0.1 here, where any local program could reach them); none of theirs answers on 127.0.0.1 at their ports."""
     port, queue, release = free_port(), _CTX.Queue(), _CTX.Event()
     procs = _form(port, queue, release)
     try:
