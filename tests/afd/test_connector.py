@@ -35,6 +35,7 @@ from afd_patches.connectors.base import (
 from afd_patches.connectors.spec import CLOSE_WAIT_S
 from afd_patches.connectors.torch_dist import TorchDistConnector
 from harness.env import free_port
+from tests.support import afd_probe
 
 HIDDEN = 16
 SLACK_S = 3.0  # scheduling slack on a busy 2-core machine
@@ -579,10 +580,12 @@ def test_handshake_model_identity(diffs: dict[str, Any]) -> None:
 
 def test_handshake_rank_claimed_twice_refuses_the_second_claim_only() -> None:
     """2A1F with two processes configured as attention rank 0: the second claim is refused at once
-    (``ConnectorMismatch`` naming the rank); the group does not end, and its timeout names the refusal."""
+    (``ConnectorMismatch`` naming the rank); the group does not end, and its timeout names the refusal.
+    The claims start once the FFN rank listens, so "at once" is not the FFN process's start."""
     port, timeout_s = free_port(), 6.0
     queue = _CTX.Queue()
     procs = [start(init_only_worker, make_config("ffn", 0, port, a=2, timeout_s=timeout_s), queue)]
+    afd_probe.wait_listening("127.0.0.1", port, timeout_s, lambda: None if procs[0].is_alive() else "exited")
     procs += [start(init_only_worker, make_config("attention", 0, port, a=2, timeout_s=timeout_s), queue, None,
                     f"attention0-{i}") for i in range(2)]
     got = collect(queue, {"ffn0", "attention0-0", "attention0-1"}, timeout_s + 4 * SLACK_S)

@@ -217,13 +217,17 @@ def test_scanner_then_the_real_peer_is_served_exactly() -> None:
 
 @pytest.mark.parametrize("attention_token", ["other", None], ids=["wrong", "none"])
 def test_wrong_token_fails_both_sides_naming_the_cause(attention_token: str | None) -> None:
-    """The attention side fails at once, the FFN side at ``timeout_s``; neither learns the other's settings."""
-    port, timeout_s = free_port(), 4.0
+    """The attention side fails at once, the FFN side at ``timeout_s``; neither learns the other's settings.
+
+    The attention side starts once the FFN side listens, so its time is its own handshake, not the FFN process's
+    start (which on a loaded machine took longer than ``SLACK_S``); ``timeout_s`` leaves it room to start."""
+    port, timeout_s = free_port(), 8.0
     queue = _CTX.Queue()
     other = None if attention_token is None else secrets.token_hex(32)
     # 127.0.0.2 is loopback, so the tokenless side is allowed to start: the mismatch shows in the handshake
-    procs = [start(init_only, host_config("ffn", port, timeout_s=timeout_s), TOKEN, queue, "ffn0"),
-             start(init_only, host_config("attention", port, timeout_s=timeout_s), other, queue, "attention0")]
+    procs = [start(init_only, host_config("ffn", port, timeout_s=timeout_s), TOKEN, queue, "ffn0")]
+    afd_probe.wait_listening(FFN_HOST, port, timeout_s, lambda: None if procs[0].is_alive() else "exited")
+    procs.append(start(init_only, host_config("attention", port, timeout_s=timeout_s), other, queue, "attention0"))
     got = collect(queue, {"ffn0", "attention0"}, timeout_s + 4 * SLACK_S)
     _join_all(procs, 10)
     a, f = got["attention0"], got["ffn0"]
