@@ -7,7 +7,7 @@ Where gloo listens (``pair_address``)
     (127.0.0.1, or the LAN address) whatever ``host`` says. A wildcard ``host`` (``0.0.0.0``, ``::``) keeps
     torch's choice.
 
-A process's sockets (``tcp_sockets``)
+A process's sockets (``tcp_sockets``; ``tcp_table``: its network namespace's, whoever holds them)
     Read from ``/proc/<pid>/fd`` and ``/proc/<pid>/net/tcp``/``tcp6`` (Linux only): what
     ``afd_patches.connectors.store`` and ``afd_patches.connectors.sealing`` use to name and cut the
     connections to the group's store.
@@ -61,6 +61,22 @@ class TcpSocket(NamedTuple):
     fd: int
 
 
+def tcp_table(pid: int | str = "self") -> list[TcpSocket]:
+    """Every TCP socket of the network namespace process ``pid`` is in, whoever holds it, as
+    ``/proc/<pid>/net/tcp`` and ``tcp6`` show them; ``fd`` is -1 (not looked up). Linux only."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue  # a kernel without IPv6
+        for cols in (row.split() for row in rows):
+            found.append(TcpSocket(_endpoint(cols[1]), _endpoint(cols[2]), int(cols[3], 16),
+                                   int(cols[4].split(":")[1], 16), int(cols[9]), -1))
+    return found
+
+
 def tcp_sockets(pid: int | str = "self") -> list[TcpSocket]:
     """The TCP sockets process ``pid`` holds open (Linux; ``OSError`` where ``/proc`` does not show them)."""
     fds: dict[int, int] = {}
@@ -71,19 +87,7 @@ def tcp_sockets(pid: int | str = "self") -> list[TcpSocket]:
             continue  # closed meanwhile
         if link.startswith("socket:["):
             fds.setdefault(int(link[8:-1]), int(name))
-    found = []
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                rows = f.read().splitlines()[1:]
-        except FileNotFoundError:
-            continue  # a kernel without IPv6
-        for row in rows:
-            cols = row.split()
-            if int(cols[9]) in fds:
-                found.append(TcpSocket(_endpoint(cols[1]), _endpoint(cols[2]), int(cols[3], 16),
-                                       int(cols[4].split(":")[1], 16), int(cols[9]), fds[int(cols[9])]))
-    return found
+    return [s._replace(fd=fds[s.inode]) for s in tcp_table(pid) if s.inode in fds]
 
 
 def _endpoint(text: str) -> tuple[str, int]:

@@ -21,7 +21,7 @@ import torch
 from afd_patches import LOGGER
 from afd_patches.config import AfdConfig
 from afd_patches.connectors import auth, sealing, store
-from afd_patches.connectors.addresses import TCP_LISTEN, _endpoint, tcp_sockets
+from afd_patches.connectors.addresses import TCP_LISTEN, tcp_sockets, tcp_table
 from afd_patches.connectors.base import ConnectorError
 from afd_patches.connectors.torch_dist import TorchDistConnector
 from harness.env import free_port
@@ -97,16 +97,8 @@ def _finish(procs: list[Any], queue: Any, release: Any) -> None:
 def _loopback_listeners(port: int) -> set[int]:
     """Inodes of the listening sockets in this network namespace that a connection to 127.0.0.1:``port``
     can reach (bound to 127.0.0.1 or a wildcard), whichever process holds them."""
-    reach = {"127.0.0.1", "0.0.0.0", "::"}
-    found = set()
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/net/{table}") as f:
-            rows = f.read().splitlines()[1:]
-        for cols in (row.split() for row in rows):
-            ip, p = _endpoint(cols[1])
-            if int(cols[3], 16) == TCP_LISTEN and p == port and ip in reach:
-                found.add(int(cols[9]))
-    return found
+    reach = {("127.0.0.1", port), ("0.0.0.0", port), ("::", port)}
+    return {s.inode for s in tcp_table() if s.state == TCP_LISTEN and s.local in reach}
 
 
 def _rss_mib(pid: int) -> float:
